@@ -13,4 +13,6 @@ urlpatterns = [
     path("django-admin/", admin.site.urls),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/schema/ui/", SpectacularSwaggerView.as_view(url_name="schema"), name="schema-ui"),
+    path("api/v1/", include("tokenpools_site.api_urls")),
+    path("", include("apps.dashboard.urls")),
 ]
