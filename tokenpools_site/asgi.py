@@ -14,15 +14,18 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs the app regi
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
-websocket_urlpatterns: list = []
-try:
-    from apps.dashboard.routing import websocket_urlpatterns  # noqa: F811
-except ImportError:  # the dashboard's consumers arrive with the live-dashboard issue
-    pass
+
+def _websocket_routes() -> list:
+    try:
+        from apps.dashboard.routing import websocket_urlpatterns
+    except ImportError:  # the dashboard's consumers arrive with the live-dashboard issue
+        return []
+    return list(websocket_urlpatterns)
+
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(_websocket_routes()))),
     }
 )
