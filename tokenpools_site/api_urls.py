@@ -1,5 +1,26 @@
-"""REST API routes under /api/v1/ (tenants, users, pools, entitlements, keys, apply)."""
+"""REST API routes under /api/v1/ (tenants, users, memberships, pools, entitlements, keys, apply, export)."""
 
 from __future__ import annotations
 
-urlpatterns: list = []
+from django.urls import path
+from rest_framework.authtoken.views import obtain_auth_token
+from rest_framework.routers import DefaultRouter
+
+from apps.pools.api import ApplyView, EntitlementViewSet, ExportView, PoolViewSet
+from apps.tenancy.api import ApiKeyViewSet, MembershipViewSet, TenantViewSet, UserViewSet
+
+router = DefaultRouter()
+router.register("tenants", TenantViewSet, basename="tenant")
+router.register("users", UserViewSet, basename="user")
+router.register("memberships", MembershipViewSet, basename="membership")
+router.register("pools", PoolViewSet, basename="pool")
+router.register("entitlements", EntitlementViewSet, basename="entitlement")
+router.register("keys", ApiKeyViewSet, basename="apikey")
+
+urlpatterns = [
+    path("apply", ApplyView.as_view(), name="apply"),
+    path("export", ExportView.as_view(), name="export"),
+    # Scripts trade a username and password for their API token here (POST username, password).
+    path("auth/token", obtain_auth_token, name="auth-token"),
+    *router.urls,
+]

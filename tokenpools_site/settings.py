@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "apps.tenancy",
     "apps.pools",
@@ -159,6 +160,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Tenants, token pools, entitlements and API keys for multi-tenant LLM inference.",
     "VERSION": "v1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI's files come from the sidecar package on disk: no CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 LOGGING = {

@@ -1,0 +1,207 @@
+"""REST API for pools, entitlements and manifests; thin views over services and selectors.
+
+Pools are readable by every signed-in user and changed by superusers only (403 otherwise).
+Entitlements of other tenants answer 404; a tenant's members read them, its owners change them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import django_filters
+from django.http import HttpResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.parsers import BaseParser, FormParser, JSONParser, MultiPartParser
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from apps.pools import selectors, services
+from apps.pools.manifests import ManifestError, manifests_apply, manifests_export
+from apps.pools.models import EntitlementState, ServiceClass, TokenEntitlement
+from apps.pools.serializers import (
+    ApplyRequestSerializer,
+    EntitlementSerializer,
+    PoolSerializer,
+    StateChangeSerializer,
+)
+from apps.tenancy.apiutils import call_service
+from apps.tenancy.permissions import SuperuserOrReadOnly
+from apps.tenancy.selectors import tenant_get
+
+
+class PoolViewSet(viewsets.ModelViewSet):
+    """Token pools with their replicas and derived capacity; superusers create, change and delete them.
+
+    Writing ``replicas`` replaces the pool's replica list. A capacity change re-binds the entitlements.
+    """
+
+    serializer_class = PoolSerializer
+    permission_classes = [SuperuserOrReadOnly]
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+    filterset_fields = ["backend_kind"]
+
+    def get_queryset(self) -> Any:
+        return selectors.pool_list(user=self.request.user)
+
+    def get_object(self) -> Any:
+        return selectors.pool_get(user=self.request.user, name=self.kwargs["name"])
+
+    def perform_create(self, serializer: PoolSerializer) -> None:
+        data = dict(serializer.validated_data)
+        serializer.instance = call_service(services.pool_create, actor=self.request.user, **data)
+
+    def perform_update(self, serializer: PoolSerializer) -> None:
+        data = dict(serializer.validated_data)
+        name = data.pop("name", serializer.instance.name)
+        if name != serializer.instance.name:
+            raise ValidationError({"name": ["a pool cannot be renamed"]})
+        replicas = data.pop("replicas", None)
+        serializer.instance = call_service(
+            services.pool_update, actor=self.request.user, pool=serializer.instance, replicas=replicas, **data
+        )
+
+    def perform_destroy(self, instance: Any) -> None:
+        call_service(services.pool_delete, actor=self.request.user, pool=instance)
+
+
+class EntitlementFilter(django_filters.FilterSet):
+    state = django_filters.ChoiceFilter(choices=EntitlementState.choices, method="filter_state")
+    service_class = django_filters.ChoiceFilter(choices=ServiceClass.choices)
+    pool = django_filters.CharFilter(field_name="pool__name")
+    tenant = django_filters.CharFilter(field_name="tenant__slug")
+
+    class Meta:
+        model = TokenEntitlement
+        fields = ["state", "service_class", "pool", "tenant"]
+
+    def filter_state(self, queryset: Any, name: str, value: str) -> Any:
+        return queryset.filter(selectors.entitlement_state_q(value))
+
+
+class EntitlementViewSet(viewsets.ModelViewSet):
+    """Entitlements of the user's tenants; owners create, change and delete them (members read).
+
+    Creating or changing one binds it at once: the response carries its ``state`` and ``state_reason``.
+    """
+
+    serializer_class = EntitlementSerializer
+    filterset_class = EntitlementFilter
+    lookup_field = "name"
+    lookup_value_regex = "[^/]+"
+
+    def get_queryset(self) -> Any:
+        return selectors.entitlement_list(user=self.request.user)
+
+    def get_object(self) -> Any:
+        return selectors.entitlement_get(user=self.request.user, name=self.kwargs["name"])
+
+    def perform_create(self, serializer: EntitlementSerializer) -> None:
+        serializer.instance = call_service(
+            services.entitlement_create, actor=self.request.user, **serializer.validated_data
+        )
+
+    def perform_update(self, serializer: EntitlementSerializer) -> None:
+        ent = serializer.instance
+        data = dict(serializer.validated_data)
+        if data.pop("name", ent.name) != ent.name:
+            raise ValidationError({"name": ["an entitlement cannot be renamed"]})
+        if data.pop("tenant", ent.tenant) != ent.tenant:
+            raise ValidationError({"tenant": ["an entitlement cannot move to another tenant"]})
+        serializer.instance = call_service(services.entitlement_update, actor=self.request.user, entitlement=ent,
+                                           **data)
+
+    def perform_destroy(self, instance: Any) -> None:
+        call_service(services.entitlement_delete, actor=self.request.user, entitlement=instance)
+
+    @extend_schema(responses={200: StateChangeSerializer(many=True)})
+    @action(detail=True, methods=["get"])
+    def history(self, request: Request, name: str | None = None) -> Response:
+        """Every state change of the entitlement (from, to, reason, when), oldest first."""
+        ent = self.get_object()
+        changes = selectors.entitlement_state_changes(user=request.user, entitlement=ent)
+        page = self.paginate_queryset(changes)
+        if page is not None:
+            return self.get_paginated_response(StateChangeSerializer(page, many=True).data)
+        return Response(StateChangeSerializer(changes, many=True).data)
+
+
+class YAMLTextParser(BaseParser):
+    """Hands a YAML body to the view as text; the manifest service parses it (and reports bad YAML)."""
+
+    media_type = "application/yaml"
+
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> str:
+        raw = stream.read() if stream is not None else b""
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValidationError({"errors": [{"index": None, "kind": "", "name": "", "field": "",
+                                               "message": "body is not UTF-8"}]}) from exc
+
+
+class XYAMLTextParser(YAMLTextParser):
+    media_type = "application/x-yaml"
+
+
+class TextYAMLParser(YAMLTextParser):
+    media_type = "text/yaml"
+
+
+class PlainTextParser(YAMLTextParser):
+    media_type = "text/plain"
+
+
+class ApplyView(APIView):
+    """``POST /api/v1/apply``: apply TokenPool/TokenEntitlement manifests (idempotent).
+
+    Body: YAML (``application/yaml``, ``text/plain``), a multipart ``file`` upload, a JSON list of
+    documents, or JSON ``{"manifest": "<yaml>"}`` or ``{"documents": [...]}``. All documents are validated before anything is written. 200 with what was
+    created/updated/unchanged; 400 ``{"errors": [{index, kind, name, field, message}]}`` for bad input;
+    403 when a document needs rights the user lacks (pools: superusers; entitlements: tenant owners).
+    """
+
+    parser_classes = [JSONParser, YAMLTextParser, XYAMLTextParser, TextYAMLParser, PlainTextParser, FormParser,
+                      MultiPartParser]
+
+    @extend_schema(request=ApplyRequestSerializer, responses={200: OpenApiResponse(description="apply report"),
+                                                             400: OpenApiResponse(description="errors")})
+    def post(self, request: Request) -> Response:
+        body = request.data
+        upload = request.FILES.get("file") if hasattr(request, "FILES") else None
+        if upload is not None:  # curl -F file=@manifest.yaml
+            try:
+                documents: Any = upload.read().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValidationError({"file": ["not UTF-8 text"]}) from exc
+        elif isinstance(body, str | list):
+            documents = body
+        else:
+            payload = ApplyRequestSerializer(data=body)
+            payload.is_valid(raise_exception=True)
+            data = payload.validated_data
+            if ("manifest" in data) == ("documents" in data):
+                raise ValidationError({"non_field_errors": ["send exactly one of 'manifest' or 'documents'"]})
+            documents = data.get("manifest", data.get("documents"))
+        try:
+            result = manifests_apply(actor=request.user, documents=documents)
+        except ManifestError as exc:
+            return Response({"errors": [i.as_dict() for i in exc.issues]}, status=403 if exc.forbidden else 400)
+        return Response({**result.summary(), "documents": [d.as_dict() for d in result.documents]})
+
+
+class ExportView(APIView):
+    """``GET /api/v1/export``: the pools and entitlements the user may see, as manifests ``apply`` accepts."""
+
+    @extend_schema(parameters=[OpenApiParameter("tenant", str, description="only this tenant (slug)")],
+                   responses={(200, "application/yaml"): OpenApiResponse(description="multi-document YAML")})
+    def get(self, request: Request) -> HttpResponse:
+        tenant = None
+        slug = request.query_params.get("tenant")
+        if slug:
+            tenant = tenant_get(user=request.user, slug=slug)
+        return HttpResponse(manifests_export(user=request.user, tenant=tenant), content_type="application/yaml")

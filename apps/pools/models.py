@@ -1,0 +1,251 @@
+"""Token pools (capacity), their replicas, entitlements to that capacity and their state history.
+
+Capacity has three dimensions (seed 000, section 3.1): concurrency (decode slots), token throughput
+(tokens/s) and KV cache (bytes). A pool's capacity is its enabled replicas times the per-replica capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from django.core.validators import MinValueValidator, RegexValidator, URLValidator
+from django.db import models
+from django.utils import timezone
+
+GIB = 1024**3
+
+name_validator = RegexValidator(
+    r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+    "Use lowercase letters, digits, '.' and '-' (Kubernetes object name style), starting and ending "
+    "with a letter or digit.",
+)
+
+
+def gib_to_bytes(gib: Decimal | int | float) -> int:
+    return int(Decimal(str(gib)) * GIB)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """An amount on the three dimensions; used for pool capacity, reservations and free room."""
+
+    slots: int
+    tokens_per_second: int
+    kv_bytes: int
+
+    def __add__(self, other: Capacity) -> Capacity:
+        return Capacity(
+            self.slots + other.slots,
+            self.tokens_per_second + other.tokens_per_second,
+            self.kv_bytes + other.kv_bytes,
+        )
+
+    def __sub__(self, other: Capacity) -> Capacity:
+        return Capacity(
+            self.slots - other.slots,
+            self.tokens_per_second - other.tokens_per_second,
+            self.kv_bytes - other.kv_bytes,
+        )
+
+    def fits_in(self, room: Capacity) -> bool:
+        return (
+            self.slots <= room.slots
+            and self.tokens_per_second <= room.tokens_per_second
+            and self.kv_bytes <= room.kv_bytes
+        )
+
+    @property
+    def kv_gib(self) -> float:
+        return self.kv_bytes / GIB
+
+    @classmethod
+    def zero(cls) -> Capacity:
+        return cls(0, 0, 0)
+
+
+class BackendKind(models.TextChoices):
+    VLLM = "vllm", "vLLM"
+    ENGINE = "engine", "tokenpools engine"
+    VIRTUAL = "virtual", "virtual (simulated vLLM)"
+
+
+class TokenPool(models.Model):
+    name = models.CharField(max_length=253, unique=True, validators=[name_validator])
+    model_name = models.CharField(max_length=300)
+    backend_kind = models.CharField(max_length=16, choices=BackendKind.choices, default=BackendKind.VLLM)
+    min_replicas = models.PositiveIntegerField(default=1)
+    max_replicas = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
+    slots_per_replica = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    tokens_per_second_per_replica = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    kv_cache_gib_per_replica = models.DecimalField(
+        max_digits=12, decimal_places=3, validators=[MinValueValidator(Decimal("0.001"))]
+    )
+    kv_layers = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    kv_heads = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    head_dim = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    bytes_per_element = models.PositiveIntegerField(default=2, validators=[MinValueValidator(1)])
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def kv_cache_bytes_per_replica(self) -> int:
+        return gib_to_bytes(self.kv_cache_gib_per_replica)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies: c = 2 * L * H_kv * d_h * b (keys and values)."""
+        return 2 * self.kv_layers * self.kv_heads * self.head_dim * self.bytes_per_element
+
+    @property
+    def per_replica_capacity(self) -> Capacity:
+        return Capacity(self.slots_per_replica, self.tokens_per_second_per_replica, self.kv_cache_bytes_per_replica)
+
+    def enabled_replica_count(self) -> int:
+        return self.replicas.filter(enabled=True).count()
+
+    def capacity(self) -> Capacity:
+        """Enabled replicas x per-replica capacity, on all three dimensions."""
+        n = self.enabled_replica_count()
+        per = self.per_replica_capacity
+        return Capacity(n * per.slots, n * per.tokens_per_second, n * per.kv_bytes)
+
+    @property
+    def kv_tokens_per_replica(self) -> int:
+        """How many tokens of KV state one replica holds (derived, shown in the UI)."""
+        return self.kv_cache_bytes_per_replica // self.bytes_per_token if self.bytes_per_token else 0
+
+
+class Replica(models.Model):
+    pool = models.ForeignKey(TokenPool, on_delete=models.CASCADE, related_name="replicas")
+    # A CharField with an http(s) validator: a backend base URL, not a link for people to click.
+    url = models.CharField(max_length=500, validators=[URLValidator(schemes=["http", "https"])])
+    enabled = models.BooleanField(default=True)
+    position = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["pool", "position", "id"]
+        constraints = [models.UniqueConstraint(fields=["pool", "url"], name="pools_replica_unique_url")]
+
+    def __str__(self) -> str:
+        return f"{self.pool.name}: {self.url}"
+
+
+class ServiceClass(models.TextChoices):
+    DEDICATED = "dedicated", "Dedicated"
+    GUARANTEED = "guaranteed", "Guaranteed"
+    ELASTIC = "elastic", "Elastic"
+    SPOT = "spot", "Spot"
+    PREEMPTIBLE = "preemptible", "Preemptible"
+
+
+# Seed 000, Table 1: base weights, baseline semantics and burst rights of each class (keys: ServiceClass values).
+SERVICE_CLASS_WEIGHT: dict[str, float] = {
+    "dedicated": 1000.0,
+    "guaranteed": 1000.0,
+    "elastic": 100.0,
+    "spot": 1.0,
+    "preemptible": 0.1,
+}
+SERVICE_CLASS_BASELINE: dict[str, str] = {
+    "dedicated": "reserved",
+    "guaranteed": "reserved",
+    "elastic": "time-averaged",
+    "spot": "none",
+    "preemptible": "none",
+}
+SERVICE_CLASS_BURST: dict[str, bool] = {
+    "dedicated": True,
+    "guaranteed": False,
+    "elastic": True,
+    "spot": True,
+    "preemptible": True,
+}
+# Classes whose baselines count against pool capacity when binding (elastic as a time-averaged reservation).
+RESERVING_CLASSES = frozenset({"dedicated", "guaranteed", "elastic"})
+
+
+class EntitlementState(models.TextChoices):
+    PENDING = "Pending", "Pending"
+    BOUND = "Bound", "Bound"
+    DEGRADED = "Degraded", "Degraded"
+    EXPIRED = "Expired", "Expired"
+
+
+class TokenEntitlement(models.Model):
+    name = models.CharField(max_length=253, unique=True, validators=[name_validator])
+    tenant = models.ForeignKey("tenancy.Tenant", on_delete=models.CASCADE, related_name="entitlements")
+    # PROTECT: a pool with entitlements cannot vanish under them; delete the entitlements first.
+    pool = models.ForeignKey(TokenPool, on_delete=models.PROTECT, related_name="entitlements")
+    service_class = models.CharField(max_length=16, choices=ServiceClass.choices)
+    slo_target_ms = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    tokens_per_second = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    kv_cache_gib = models.DecimalField(max_digits=12, decimal_places=3, validators=[MinValueValidator(Decimal("0.001"))])
+    concurrency = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    default_max_tokens = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    queue_max = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    expires_at = models.DateTimeField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=EntitlementState.choices, default=EntitlementState.PENDING)
+    state_reason = models.CharField(max_length=500, blank=True, default="")
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+        indexes = [models.Index(fields=["pool", "state"]), models.Index(fields=["tenant", "state"])]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def weight(self) -> float:
+        return SERVICE_CLASS_WEIGHT[self.service_class]
+
+    @property
+    def reserves_capacity(self) -> bool:
+        return self.service_class in RESERVING_CLASSES
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return gib_to_bytes(self.kv_cache_gib)
+
+    @property
+    def baseline(self) -> Capacity:
+        """The entitlement's baseline (lambda_e, chi_e, r_e) as a Capacity."""
+        return Capacity(self.concurrency, self.tokens_per_second, self.kv_cache_bytes)
+
+    @property
+    def reservation(self) -> Capacity:
+        """What binding this entitlement takes from the pool: its baseline, or nothing for spot/preemptible."""
+        return self.baseline if self.reserves_capacity else Capacity.zero()
+
+    def is_past_expiry(self, now: datetime | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+    def effective_state(self, now: datetime | None = None) -> str:
+        """The stored state, except Expired as soon as ``expires_at`` has passed (before the tick runs)."""
+        return str(EntitlementState.EXPIRED) if self.is_past_expiry(now) else str(self.state)
+
+
+class EntitlementStateChange(models.Model):
+    """One transition of an entitlement's state, with why and when (an audit trail)."""
+
+    entitlement = models.ForeignKey(TokenEntitlement, on_delete=models.CASCADE, related_name="state_changes")
+    from_state = models.CharField(max_length=16, blank=True, default="")
+    to_state = models.CharField(max_length=16, choices=EntitlementState.choices)
+    reason = models.CharField(max_length=500, blank=True, default="")
+    at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.entitlement_id}: {self.from_state or '-'} -> {self.to_state} ({self.reason})"

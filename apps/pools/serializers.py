@@ -1,0 +1,134 @@
+"""REST representations of pools (with replicas and derived capacity) and entitlements (snake_case)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from apps.pools.models import (
+    SERVICE_CLASS_WEIGHT,
+    BackendKind,
+    Capacity,
+    EntitlementStateChange,
+    ServiceClass,
+    TokenEntitlement,
+    TokenPool,
+)
+from apps.pools.selectors import pool_usage
+from apps.tenancy.models import Tenant
+from apps.tenancy.selectors import tenant_list
+
+
+def _capacity_dict(cap: Capacity) -> dict[str, Any]:
+    return {"slots": cap.slots, "tokens_per_second": cap.tokens_per_second, "kv_bytes": cap.kv_bytes,
+            "kv_gib": round(cap.kv_gib, 3)}
+
+
+class ReplicaSerializer(serializers.Serializer):
+    id = serializers.IntegerField(read_only=True)
+    url = serializers.CharField(max_length=500)
+    enabled = serializers.BooleanField(default=True)
+
+
+class CapacitySerializer(serializers.Serializer):
+    slots = serializers.IntegerField()
+    tokens_per_second = serializers.IntegerField()
+    kv_bytes = serializers.IntegerField()
+    kv_gib = serializers.FloatField()
+
+
+class PoolSerializer(serializers.ModelSerializer):
+    """A pool. Capacity fields are per replica; ``capacity`` = enabled replicas x per-replica capacity."""
+
+    backend_kind = serializers.ChoiceField(choices=BackendKind.choices, default=BackendKind.VLLM)
+    replicas = ReplicaSerializer(many=True, required=False)
+    kv_cache_gib_per_replica = serializers.DecimalField(max_digits=12, decimal_places=3)
+    bytes_per_token = serializers.IntegerField(read_only=True, help_text="c = 2 * layers * kv_heads * head_dim * bytes")
+    kv_cache_bytes_per_replica = serializers.IntegerField(read_only=True)
+    usage = serializers.SerializerMethodField()
+
+    class Meta:
+        model = TokenPool
+        fields = [
+            "name", "model_name", "backend_kind", "replicas", "min_replicas", "max_replicas",
+            "slots_per_replica", "tokens_per_second_per_replica", "kv_cache_gib_per_replica",
+            "kv_cache_bytes_per_replica", "kv_layers", "kv_heads", "head_dim", "bytes_per_element",
+            "bytes_per_token", "usage", "created_at", "updated_at",
+        ]
+        read_only_fields = ["created_at", "updated_at"]
+        # Types only here; ranges, uniqueness and cross-field rules are the service's (one source of truth).
+        extra_kwargs = {
+            "name": {"validators": []},
+            **{f: {"min_value": None, "validators": []} for f in (
+                "min_replicas", "max_replicas", "slots_per_replica", "tokens_per_second_per_replica",
+                "kv_layers", "kv_heads", "head_dim", "bytes_per_element")},
+        }
+
+    def get_usage(self, pool: TokenPool) -> dict[str, Any]:
+        request = self.context.get("request")
+        usage = pool_usage(user=request.user, pool=pool)
+        return {
+            "enabled_replicas": usage.enabled_replicas,
+            "capacity": _capacity_dict(usage.capacity),
+            "reserved": _capacity_dict(usage.reserved),
+            "free": _capacity_dict(usage.free),
+            "entitlements_by_state": usage.entitlements_by_state,
+        }
+
+
+class EntitlementSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.none(),
+                                          help_text="tenant slug")
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=TokenPool.objects.all(), help_text="pool name")
+    service_class = serializers.ChoiceField(choices=ServiceClass.choices)
+    kv_cache_gib = serializers.DecimalField(max_digits=12, decimal_places=3)
+    weight = serializers.SerializerMethodField(help_text="base weight of the service class (seed Table 1)")
+
+    class Meta:
+        model = TokenEntitlement
+        fields = [
+            "name", "tenant", "pool", "service_class", "weight", "slo_target_ms", "tokens_per_second",
+            "kv_cache_gib", "concurrency", "default_max_tokens", "queue_max", "expires_at", "state",
+            "state_reason", "state_changed_at", "created_at", "updated_at",
+        ]
+        read_only_fields = ["state", "state_reason", "state_changed_at", "created_at", "updated_at"]
+        extra_kwargs = {
+            "name": {"validators": []},
+            **{f: {"min_value": None, "validators": []} for f in (
+                "slo_target_ms", "tokens_per_second", "concurrency", "default_max_tokens", "queue_max")},
+        }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        request = self.context.get("request")
+        if request is not None:
+            self.fields["tenant"].queryset = tenant_list(user=request.user)
+
+    def get_weight(self, ent: TokenEntitlement) -> float:
+        return SERVICE_CLASS_WEIGHT[ent.service_class]
+
+    def to_representation(self, ent: TokenEntitlement) -> dict[str, Any]:
+        data = super().to_representation(ent)
+        # Past expires_at an entitlement is Expired, even before the periodic expiry tick has recorded it.
+        if ent.effective_state() != ent.state:
+            data["state"] = ent.effective_state()
+            data["state_reason"] = f"expired at {ent.expires_at.isoformat()}"
+        return data
+
+
+class StateChangeSerializer(serializers.ModelSerializer):
+    # Plain strings: the state enum is already named in the schema by the entitlement's ``state``.
+    from_state = serializers.CharField(read_only=True)
+    to_state = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = EntitlementStateChange
+        fields = ["from_state", "to_state", "reason", "at"]
+
+
+class ApplyRequestSerializer(serializers.Serializer):
+    """JSON form of an apply request; raw YAML bodies (application/yaml, text/plain) are accepted too."""
+
+    manifest = serializers.CharField(required=False, help_text="multi-document YAML text")
+    documents = serializers.ListField(child=serializers.DictField(), required=False)

@@ -1,0 +1,456 @@
+"""Writes for pools, replicas and entitlements, and the binding of entitlements to pool capacity.
+
+Binding replaces the seed's virtual nodes and lease pods (seed 000, section 4.1). It is one function,
+``_evaluate_pool``, run inside a transaction that holds the pool row locked (``select_for_update``), so
+two writers never bind against the same free room:
+
+* an entitlement past ``expires_at`` is Expired and reserves nothing;
+* spot and preemptible entitlements reserve nothing and are Bound whenever their pool exists;
+* dedicated and guaranteed baselines are reserved, elastic baselines count as time-averaged
+  reservations; these are walked oldest first (``created_at``, then id) and each one is Bound when its
+  baseline fits the room the older Bound ones left on all three dimensions (slots, tokens/s, KV bytes),
+  else Degraded. So a shrunk pool degrades the newest reservations first and a grown pool binds them
+  back, and creating an entitlement never degrades an older one. (Like the Kubernetes scheduler, a
+  smaller newer reservation may still fit where a larger older one did not.)
+
+Every state change writes an ``EntitlementStateChange`` row with the reason and the time.
+
+Services take the acting user as ``actor``; pools are changed by superusers only, entitlements by owners
+of their tenant (and superusers). Errors: ``ValidationError`` (field -> messages) or ``PermissionDenied``;
+each service is atomic, so a failure writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
+from django.core.validators import URLValidator
+from django.db import transaction
+from django.utils import timezone
+
+from apps.pools.models import (
+    GIB,
+    Capacity,
+    EntitlementState,
+    EntitlementStateChange,
+    Replica,
+    TokenEntitlement,
+    TokenPool,
+)
+from apps.tenancy.models import Tenant
+from apps.tenancy.selectors import user_role
+from apps.tenancy.services import require_owner, require_superuser
+
+POOL_FIELDS = (
+    "model_name",
+    "backend_kind",
+    "min_replicas",
+    "max_replicas",
+    "slots_per_replica",
+    "tokens_per_second_per_replica",
+    "kv_cache_gib_per_replica",
+    "kv_layers",
+    "kv_heads",
+    "head_dim",
+    "bytes_per_element",
+)
+ENTITLEMENT_FIELDS = (
+    "pool",
+    "service_class",
+    "slo_target_ms",
+    "tokens_per_second",
+    "kv_cache_gib",
+    "concurrency",
+    "default_max_tokens",
+    "queue_max",
+    "expires_at",
+)
+# Pool fields that change capacity, so that editing them re-evaluates the pool's entitlements.
+CAPACITY_FIELDS = frozenset({"slots_per_replica", "tokens_per_second_per_replica", "kv_cache_gib_per_replica"})
+
+
+# --- binding -----------------------------------------------------------------------------------------
+
+
+def _record_state(ent: TokenEntitlement, to_state: str, reason: str, now: datetime) -> bool:
+    """Move ``ent`` to ``to_state`` (saving it); write a history row if the state changed."""
+    reason = reason[:500]
+    changed = ent.state != to_state
+    if changed:
+        EntitlementStateChange.objects.create(
+            entitlement=ent, from_state=ent.state, to_state=to_state, reason=reason, at=now
+        )
+        ent.state = to_state
+        ent.state_changed_at = now
+    if changed or ent.state_reason != reason:
+        ent.state_reason = reason
+        ent.save(update_fields=["state", "state_reason", "state_changed_at"])
+    return changed
+
+
+def _shortfall(need: Capacity, room: Capacity) -> str:
+    parts = []
+    if need.slots > room.slots:
+        parts.append(f"concurrency {need.slots} > {max(room.slots, 0)} free slots")
+    if need.tokens_per_second > room.tokens_per_second:
+        parts.append(f"tokens/s {need.tokens_per_second} > {max(room.tokens_per_second, 0)} free")
+    if need.kv_bytes > room.kv_bytes:
+        parts.append(f"KV cache {need.kv_bytes / GIB:g} GiB > {max(room.kv_bytes, 0) / GIB:g} GiB free")
+    return "; ".join(parts)
+
+
+def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tuple[TokenEntitlement, str, str]]:
+    """Recompute every entitlement state of a pool whose row the caller holds locked.
+
+    Returns the ``(entitlement, from_state, to_state)`` of each change.
+    """
+    room = pool.capacity()
+    suffix = f" ({trigger})" if trigger else ""
+    changes: list[tuple[TokenEntitlement, str, str]] = []
+    entitlements = list(pool.entitlements.select_for_update().order_by("created_at", "id"))
+    for ent in entitlements:
+        if ent.is_past_expiry(now):
+            target: str = str(EntitlementState.EXPIRED)
+            reason = f"expired at {ent.expires_at.isoformat()}"
+        elif not ent.reserves_capacity:
+            target = str(EntitlementState.BOUND)
+            reason = f"{ent.service_class} reserves no capacity; bound to pool {pool.name}"
+        elif ent.reservation.fits_in(room):
+            room = room - ent.reservation
+            kind = "time-averaged reservation" if ent.service_class == "elastic" else "reserved baseline"
+            target = str(EntitlementState.BOUND)
+            reason = f"{kind} fits pool {pool.name}"
+        else:
+            target = str(EntitlementState.DEGRADED)
+            reason = f"baseline does not fit pool {pool.name}: {_shortfall(ent.reservation, room)}"
+        before = ent.state
+        if _record_state(ent, target, reason + suffix, now):
+            changes.append((ent, before, target))
+    return changes
+
+
+def _lock_pool(pool_id: int) -> TokenPool:
+    return TokenPool.objects.select_for_update().get(pk=pool_id)
+
+
+@transaction.atomic
+def pool_rebind(*, pool: TokenPool, now: datetime | None = None, reason: str = "") -> list[tuple[TokenEntitlement, str, str]]:
+    """Lock the pool and re-evaluate all its entitlements; returns the state changes made."""
+    locked = _lock_pool(pool.pk)
+    return _evaluate_pool(locked, now=now or timezone.now(), trigger=reason)
+
+
+@transaction.atomic
+def entitlement_bind(*, entitlement: TokenEntitlement, now: datetime | None = None, reason: str = "") -> TokenEntitlement:
+    """Bind (or degrade, or expire) one entitlement by re-evaluating its pool under the pool lock."""
+    pool_rebind(pool=entitlement.pool, now=now, reason=reason)
+    entitlement.refresh_from_db()
+    return entitlement
+
+
+@transaction.atomic
+def entitlements_expire(*, now: datetime | None = None) -> int:
+    """Mark every entitlement past ``expires_at`` Expired (freeing its reservation); returns how many.
+
+    Meant for a periodic tick. Re-evaluating the pools also binds Degraded entitlements that now fit.
+    """
+    now = now or timezone.now()
+    due = TokenEntitlement.objects.filter(expires_at__lte=now).exclude(state=EntitlementState.EXPIRED)
+    pool_ids = sorted(set(due.values_list("pool_id", flat=True)))
+    expired = 0
+    for pool_id in pool_ids:  # sorted ids: every writer locks pools in the same order, no deadlock
+        changes = _evaluate_pool(_lock_pool(pool_id), now=now, trigger="expiry tick")
+        expired += sum(1 for _ent, _before, after in changes if after == EntitlementState.EXPIRED)
+    return expired
+
+
+# --- pools -------------------------------------------------------------------------------------------
+
+
+def _clean_replicas(replicas: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    cleaned: list[dict[str, Any]] = []
+    errors: list[str] = []
+    seen: set[str] = set()
+    validate_url = URLValidator(schemes=["http", "https"])
+    for index, raw in enumerate(replicas):
+        if not isinstance(raw, Mapping):
+            errors.append(f"replica {index}: expected an object with 'url' (and optional 'enabled')")
+            continue
+        url = raw.get("url")
+        enabled = raw.get("enabled", True)
+        if not isinstance(url, str) or not url:
+            errors.append(f"replica {index}: 'url' is required")
+            continue
+        try:
+            validate_url(url)
+        except ValidationError:
+            errors.append(f"replica {index}: {url!r} is not an http(s) URL")
+            continue
+        if not isinstance(enabled, bool):
+            errors.append(f"replica {index}: 'enabled' must be true or false")
+            continue
+        if url in seen:
+            errors.append(f"replica {index}: duplicate URL {url!r}")
+            continue
+        seen.add(url)
+        cleaned.append({"url": url, "enabled": enabled})
+    if errors:
+        raise ValidationError({"replicas": errors})
+    return cleaned
+
+
+def _check_pool(pool: TokenPool, replicas: list[dict[str, Any]] | None) -> None:
+    errors: dict[str, list[str]] = {}
+    try:
+        pool.full_clean()
+    except ValidationError as exc:
+        errors.update(exc.message_dict)
+    if isinstance(pool.min_replicas, int) and isinstance(pool.max_replicas, int) and pool.min_replicas > pool.max_replicas:
+        errors.setdefault("min_replicas", []).append("must not exceed max_replicas")
+    if replicas is not None and isinstance(pool.max_replicas, int) and len(replicas) > pool.max_replicas:
+        errors.setdefault("replicas", []).append(f"{len(replicas)} replicas listed but max_replicas is {pool.max_replicas}")
+    if errors:
+        raise ValidationError(errors)
+
+
+def _replace_replicas(pool: TokenPool, replicas: list[dict[str, Any]]) -> None:
+    pool.replicas.all().delete()
+    Replica.objects.bulk_create(
+        [Replica(pool=pool, url=r["url"], enabled=r["enabled"], position=i) for i, r in enumerate(replicas)]
+    )
+
+
+@transaction.atomic
+def pool_create(
+    *,
+    actor: AbstractBaseUser,
+    name: str,
+    model_name: str,
+    slots_per_replica: int,
+    tokens_per_second_per_replica: int,
+    kv_cache_gib_per_replica: Decimal | int | float | str,
+    kv_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    bytes_per_element: int = 2,
+    backend_kind: str = "vllm",
+    min_replicas: int = 1,
+    max_replicas: int = 1,
+    replicas: Iterable[Mapping[str, Any]] = (),
+    now: datetime | None = None,
+) -> TokenPool:
+    """Create a pool with its replicas (each ``{"url": ..., "enabled": bool}``); superusers only."""
+    require_superuser(actor, "manage pools")
+    now = now or timezone.now()
+    cleaned = _clean_replicas(replicas)
+    pool = TokenPool(
+        name=name,
+        model_name=model_name,
+        backend_kind=backend_kind,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        slots_per_replica=slots_per_replica,
+        tokens_per_second_per_replica=tokens_per_second_per_replica,
+        kv_cache_gib_per_replica=kv_cache_gib_per_replica,
+        kv_layers=kv_layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        bytes_per_element=bytes_per_element,
+        created_at=now,
+        updated_at=now,
+    )
+    _check_pool(pool, cleaned)
+    pool.save()
+    _replace_replicas(pool, cleaned)
+    return pool
+
+
+@transaction.atomic
+def pool_update(
+    *,
+    actor: AbstractBaseUser,
+    pool: TokenPool,
+    replicas: Iterable[Mapping[str, Any]] | None = None,
+    now: datetime | None = None,
+    **fields: Any,
+) -> TokenPool:
+    """Change pool fields (any of ``POOL_FIELDS``) and optionally replace its replica list; superusers only.
+
+    The pool row is locked first; if capacity may have changed its entitlements are re-evaluated.
+    """
+    require_superuser(actor, "manage pools")
+    unknown = set(fields) - set(POOL_FIELDS)
+    if unknown:
+        raise ValidationError({name: ["unknown or read-only field"] for name in sorted(unknown)})
+    now = now or timezone.now()
+    locked = _lock_pool(pool.pk)
+    cleaned = _clean_replicas(replicas) if replicas is not None else None
+    for name, value in fields.items():
+        setattr(locked, name, value)
+    locked.updated_at = now
+    _check_pool(locked, cleaned if cleaned is not None else [r for r in locked.replicas.values("url")])
+    locked.save()
+    if cleaned is not None:
+        _replace_replicas(locked, cleaned)
+    _evaluate_pool(locked, now=now, trigger="pool updated")
+    return locked
+
+
+@transaction.atomic
+def pool_delete(*, actor: AbstractBaseUser, pool: TokenPool) -> None:
+    """Delete a pool that has no entitlements (superusers only)."""
+    require_superuser(actor, "manage pools")
+    locked = _lock_pool(pool.pk)
+    count = locked.entitlements.count()
+    if count:
+        raise ValidationError({"pool": [f"pool {locked.name!r} still has {count} entitlement(s); delete them first"]})
+    locked.delete()
+
+
+@transaction.atomic
+def replica_add(*, actor: AbstractBaseUser, pool: TokenPool, url: str, enabled: bool = True) -> Replica:
+    """Add a replica to a pool (superusers only) and re-evaluate the pool."""
+    require_superuser(actor, "manage pools")
+    locked = _lock_pool(pool.pk)
+    (cleaned,) = _clean_replicas([{"url": url, "enabled": enabled}])
+    if locked.replicas.filter(url=cleaned["url"]).exists():
+        raise ValidationError({"url": [f"pool {locked.name!r} already has replica {url!r}"]})
+    if locked.replicas.count() + 1 > locked.max_replicas:
+        raise ValidationError({"url": [f"pool {locked.name!r} already has max_replicas={locked.max_replicas}"]})
+    position = (locked.replicas.order_by("-position").values_list("position", flat=True).first() or 0) + 1
+    replica = Replica.objects.create(pool=locked, url=cleaned["url"], enabled=cleaned["enabled"], position=position)
+    _evaluate_pool(locked, now=timezone.now(), trigger="replica added")
+    return replica
+
+
+@transaction.atomic
+def replica_set_enabled(*, actor: AbstractBaseUser, replica: Replica, enabled: bool) -> Replica:
+    """Enable or disable a replica (superusers only); capacity changes, so the pool is re-evaluated."""
+    require_superuser(actor, "manage pools")
+    locked = _lock_pool(replica.pool_id)
+    replica = locked.replicas.get(pk=replica.pk)
+    if replica.enabled != enabled:
+        replica.enabled = enabled
+        replica.save(update_fields=["enabled"])
+        _evaluate_pool(locked, now=timezone.now(), trigger=f"replica {replica.url} {'enabled' if enabled else 'disabled'}")
+    return replica
+
+
+@transaction.atomic
+def replica_remove(*, actor: AbstractBaseUser, replica: Replica) -> None:
+    """Remove a replica (superusers only) and re-evaluate the pool."""
+    require_superuser(actor, "manage pools")
+    locked = _lock_pool(replica.pool_id)
+    url = replica.url
+    locked.replicas.filter(pk=replica.pk).delete()
+    _evaluate_pool(locked, now=timezone.now(), trigger=f"replica {url} removed")
+
+
+# --- entitlements ------------------------------------------------------------------------------------
+
+
+def _check_entitlement(ent: TokenEntitlement) -> None:
+    try:
+        ent.full_clean(exclude=["state", "state_reason", "state_changed_at"])
+    except ValidationError as exc:
+        raise ValidationError(exc.message_dict) from exc
+
+
+@transaction.atomic
+def entitlement_create(
+    *,
+    actor: AbstractBaseUser,
+    name: str,
+    tenant: Tenant,
+    pool: TokenPool,
+    service_class: str,
+    slo_target_ms: int,
+    tokens_per_second: int,
+    kv_cache_gib: Decimal | int | float | str,
+    concurrency: int,
+    default_max_tokens: int | None = None,
+    queue_max: int | None = None,
+    expires_at: datetime | None = None,
+    now: datetime | None = None,
+) -> TokenEntitlement:
+    """Create an entitlement (owners of ``tenant`` and superusers) and bind it at once.
+
+    It is written Pending, then the pool is locked and evaluated, so it leaves as Bound, Degraded or
+    Expired, with both transitions in its history.
+    """
+    require_owner(actor, tenant, "create entitlements")
+    now = now or timezone.now()
+    ent = TokenEntitlement(
+        name=name,
+        tenant=tenant,
+        pool=pool,
+        service_class=service_class,
+        slo_target_ms=slo_target_ms,
+        tokens_per_second=tokens_per_second,
+        kv_cache_gib=kv_cache_gib,
+        concurrency=concurrency,
+        default_max_tokens=default_max_tokens,
+        queue_max=queue_max,
+        expires_at=expires_at,
+        state=EntitlementState.PENDING,
+        state_reason="created",
+        state_changed_at=now,
+        created_at=now,
+        updated_at=now,
+    )
+    _check_entitlement(ent)
+    locked = _lock_pool(pool.pk)  # lock before inserting: the insert changes what the pool must hold
+    ent.save()
+    EntitlementStateChange.objects.create(entitlement=ent, from_state="", to_state=ent.state, reason="created", at=now)
+    _evaluate_pool(locked, now=now, trigger="")
+    ent.refresh_from_db()
+    return ent
+
+
+@transaction.atomic
+def entitlement_update(
+    *, actor: AbstractBaseUser, entitlement: TokenEntitlement, now: datetime | None = None, **fields: Any
+) -> TokenEntitlement:
+    """Change an entitlement (any of ``ENTITLEMENT_FIELDS``; owners and superusers) and re-bind it.
+
+    Moving it to another pool re-evaluates both pools (locked in id order). The tenant cannot change.
+    """
+    require_owner(actor, entitlement.tenant, "change entitlements")
+    unknown = set(fields) - set(ENTITLEMENT_FIELDS)
+    if unknown:
+        raise ValidationError({name: ["unknown or read-only field"] for name in sorted(unknown)})
+    now = now or timezone.now()
+    ent = TokenEntitlement.objects.select_for_update().get(pk=entitlement.pk)
+    old_pool_id = ent.pool_id
+    for name, value in fields.items():
+        setattr(ent, name, value)
+    ent.updated_at = now
+    _check_entitlement(ent)
+    pool_ids = sorted({old_pool_id, ent.pool_id})
+    locked = {pid: _lock_pool(pid) for pid in pool_ids}
+    ent.save()
+    for pid in pool_ids:
+        _evaluate_pool(locked[pid], now=now, trigger=f"entitlement {ent.name} updated")
+    ent.refresh_from_db()
+    return ent
+
+
+@transaction.atomic
+def entitlement_delete(*, actor: AbstractBaseUser, entitlement: TokenEntitlement) -> None:
+    """Delete an entitlement and its keys (owners and superusers); its pool's room goes to the others."""
+    require_owner(actor, entitlement.tenant, "delete entitlements")
+    locked = _lock_pool(entitlement.pool_id)
+    name = entitlement.name
+    entitlement.delete()
+    _evaluate_pool(locked, now=timezone.now(), trigger=f"entitlement {name} deleted")
+
+
+def can_edit_entitlements(*, user: AbstractBaseUser, tenant: Tenant) -> bool:
+    """Whether the user may create/change/delete the tenant's entitlements (for UIs to show buttons)."""
+    return user_role(user=user, tenant=tenant) == "owner"
+

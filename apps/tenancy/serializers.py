@@ -1,0 +1,101 @@
+"""REST representations of tenants, users, memberships and API keys (snake_case fields)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from rest_framework import serializers
+
+from apps.pools.selectors import entitlement_list
+from apps.tenancy.models import ApiKey, Membership, Role, Tenant
+from apps.tenancy.selectors import tenant_list, user_role
+
+
+def _request_user(serializer: serializers.Serializer) -> Any:
+    request = serializer.context.get("request")
+    return getattr(request, "user", None)
+
+
+class TenantSerializer(serializers.ModelSerializer):
+    my_role = serializers.SerializerMethodField(help_text="the requesting user's role: owner, member (or null)")
+
+    class Meta:
+        model = Tenant
+        fields = ["slug", "name", "my_role", "created_at"]
+        read_only_fields = ["created_at"]
+        extra_kwargs: dict[str, dict[str, Any]] = {"slug": {"validators": []}}  # the service checks uniqueness, in its transaction
+
+    def get_my_role(self, tenant: Tenant) -> str | None:
+        return _role_of(self, tenant)
+
+
+def _role_of(serializer: serializers.Serializer, tenant: Tenant) -> str | None:
+    return user_role(user=_request_user(serializer), tenant=tenant)
+
+
+class UserSerializer(serializers.ModelSerializer):
+    password = serializers.CharField(write_only=True, required=False, allow_blank=True, style={"input_type": "password"})
+    roles = serializers.SerializerMethodField()
+
+    class Meta:
+        model = get_user_model()
+        fields = ["id", "username", "email", "is_superuser", "password", "roles"]
+        read_only_fields = ["id"]
+        extra_kwargs: dict[str, dict[str, Any]] = {"username": {"validators": []}}
+
+    def get_roles(self, obj: Any) -> list[dict[str, str]]:
+        visible = tenant_list(user=_request_user(self))
+        return [
+            {"tenant": m.tenant.slug, "role": m.role}
+            for m in obj.memberships.select_related("tenant").filter(tenant__in=visible)
+        ]
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.none())
+    user = serializers.SlugRelatedField(slug_field="username", queryset=get_user_model().objects.none())
+    role = serializers.ChoiceField(choices=Role.choices)
+
+    class Meta:
+        model = Membership
+        fields = ["id", "tenant", "user", "role", "created_at"]
+        read_only_fields = ["id", "created_at"]
+        validators: list = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        user = _request_user(self)
+        if user is not None:
+            self.fields["tenant"].queryset = tenant_list(user=user)
+            # Any existing login may be added to a tenant by its owner (superusers create the logins).
+            self.fields["user"].queryset = get_user_model().objects.filter(is_active=True)
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    entitlement = serializers.SlugRelatedField(slug_field="name", queryset=ApiKey.objects.none())
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    status = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = ApiKey
+        fields = ["id", "name", "prefix", "tenant", "entitlement", "status", "created_by", "created_at",
+                  "expires_at", "revoked_at", "last_used_at"]
+        read_only_fields = ["id", "prefix", "tenant", "status", "created_by", "created_at", "revoked_at",
+                            "last_used_at"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        user = _request_user(self)
+        if user is not None:
+            self.fields["entitlement"].queryset = entitlement_list(user=user)
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    """The creation response: the only time the secret is ever shown."""
+
+    secret = serializers.CharField(read_only=True, help_text="shown once; store it now, it cannot be retrieved")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "secret"]

@@ -1,0 +1,226 @@
+"""Writes for tenants, memberships, users and API keys.
+
+Every service takes the acting user as ``actor`` and checks the role rules documented in
+``apps.tenancy.models``. Failures raise ``django.core.exceptions.ValidationError`` (with a field ->
+messages dict) for bad input and ``django.core.exceptions.PermissionDenied`` for a forbidden action;
+nothing is written in either case (each service runs in one transaction).
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from apps.tenancy.models import ApiKey, Membership, Role, Tenant
+from apps.tenancy.selectors import apikey_hash, user_role
+
+KEY_PREFIX = "tp-"
+# How many characters of the secret (after "tp-") are kept to show the key in lists.
+DISPLAY_PREFIX_CHARS = 8
+
+
+def require_superuser(actor: AbstractBaseUser, action: str) -> None:
+    if not (getattr(actor, "is_active", False) and getattr(actor, "is_superuser", False)):
+        raise PermissionDenied(f"only platform operators (superusers) may {action}")
+
+
+def require_owner(actor: AbstractBaseUser, tenant: Tenant, action: str) -> None:
+    if user_role(user=actor, tenant=tenant) != Role.OWNER:
+        raise PermissionDenied(f"only owners of tenant {tenant.slug!r} may {action}")
+
+
+def _full_clean(obj: Any, exclude: list[str] | None = None) -> None:
+    obj.full_clean(exclude=exclude)
+
+
+# --- tenants -----------------------------------------------------------------------------------------
+
+
+@transaction.atomic
+def tenant_create(*, actor: AbstractBaseUser, name: str, slug: str) -> Tenant:
+    """Create a tenant (superusers only). Raises ValidationError on a bad or duplicate slug."""
+    require_superuser(actor, "create tenants")
+    tenant = Tenant(name=name, slug=slug)
+    _full_clean(tenant)
+    tenant.save()
+    return tenant
+
+
+@transaction.atomic
+def tenant_update(*, actor: AbstractBaseUser, tenant: Tenant, name: str | None = None, slug: str | None = None) -> Tenant:
+    """Rename a tenant or change its slug (superusers only)."""
+    require_superuser(actor, "change tenants")
+    if name is not None:
+        tenant.name = name
+    if slug is not None:
+        tenant.slug = slug
+    _full_clean(tenant)
+    tenant.save()
+    return tenant
+
+
+@transaction.atomic
+def tenant_delete(*, actor: AbstractBaseUser, tenant: Tenant) -> None:
+    """Delete a tenant with its memberships, entitlements and keys (superusers only); rebinds its pools."""
+    require_superuser(actor, "delete tenants")
+    from apps.pools.services import pool_rebind  # pools depends on tenancy, import late
+
+    pools = list({e.pool for e in tenant.entitlements.select_related("pool")})
+    tenant.delete()
+    for pool in pools:
+        pool_rebind(pool=pool, reason=f"tenant {tenant.slug} deleted")
+
+
+# --- users and memberships ---------------------------------------------------------------------------
+
+
+@transaction.atomic
+def user_create(
+    *, actor: AbstractBaseUser, username: str, password: str | None, email: str = "", is_superuser: bool = False
+) -> Any:
+    """Create a login (superusers only). ``password=None`` creates a user who cannot log in by password."""
+    require_superuser(actor, "create users")
+    User = get_user_model()
+    user = User(username=username, email=email, is_superuser=is_superuser, is_staff=is_superuser)
+    if password:
+        from django.contrib.auth.password_validation import validate_password
+
+        try:
+            validate_password(password, user)
+        except ValidationError as exc:
+            raise ValidationError({"password": exc.messages}) from exc
+        user.set_password(password)
+    else:
+        user.set_unusable_password()
+    _full_clean(user, exclude=["password"])
+    user.save()
+    return user
+
+
+@transaction.atomic
+def membership_set(*, actor: AbstractBaseUser, tenant: Tenant, user: Any, role: str) -> Membership:
+    """Give ``user`` the ``role`` in ``tenant`` (creating or changing the membership); owners and superusers."""
+    require_owner(actor, tenant, "manage memberships")
+    if role not in Role.values:
+        raise ValidationError({"role": [f"unknown role {role!r}; choose one of {', '.join(Role.values)}"]})
+    membership, created = Membership.objects.select_for_update().get_or_create(
+        tenant=tenant, user=user, defaults={"role": role}
+    )
+    if not created and membership.role != role:
+        _forbid_removing_last_owner(membership, new_role=role)
+        membership.role = role
+        membership.save(update_fields=["role"])
+    return membership
+
+
+def _forbid_removing_last_owner(membership: Membership, new_role: str | None) -> None:
+    if membership.role != Role.OWNER or new_role == Role.OWNER:
+        return
+    other_owners = Membership.objects.filter(tenant=membership.tenant, role=Role.OWNER).exclude(pk=membership.pk)
+    if not other_owners.exists():
+        raise ValidationError({"role": [f"tenant {membership.tenant.slug!r} must keep at least one owner"]})
+
+
+@transaction.atomic
+def membership_remove(*, actor: AbstractBaseUser, membership: Membership) -> None:
+    """Remove a user's role in a tenant (owners and superusers); the last owner cannot be removed."""
+    require_owner(actor, membership.tenant, "manage memberships")
+    if not getattr(actor, "is_superuser", False):
+        _forbid_removing_last_owner(membership, new_role=None)
+    membership.delete()
+
+
+# --- API keys ----------------------------------------------------------------------------------------
+
+
+def _new_secret() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@transaction.atomic
+def apikey_create(
+    *,
+    actor: AbstractBaseUser,
+    entitlement: Any,
+    name: str = "",
+    expires_at: datetime | None = None,
+    now: datetime | None = None,
+) -> tuple[ApiKey, str]:
+    """Create a key for an entitlement and return ``(key, secret)``; the secret is never retrievable again.
+
+    Owners and members of the entitlement's tenant (and superusers) may create keys.
+    """
+    tenant = entitlement.tenant
+    if user_role(user=actor, tenant=tenant) is None:
+        raise PermissionDenied(f"only users of tenant {tenant.slug!r} may create its keys")
+    now = now or timezone.now()
+    if expires_at is not None and expires_at <= now:
+        raise ValidationError({"expires_at": ["must be in the future"]})
+    if len(name or "") > 200:
+        raise ValidationError({"name": ["at most 200 characters"]})
+    for _attempt in range(5):
+        secret = _new_secret()
+        key = ApiKey(
+            tenant=tenant,
+            entitlement=entitlement,
+            name=name or "",
+            prefix=secret[: len(KEY_PREFIX) + DISPLAY_PREFIX_CHARS],
+            secret_hash=apikey_hash(secret),
+            created_by=actor if getattr(actor, "pk", None) else None,
+            created_at=now,
+            expires_at=expires_at,
+        )
+        try:
+            with transaction.atomic():
+                key.save()
+        except IntegrityError:  # a digest collision of 256 random bits: practically never, try again
+            continue
+        return key, secret
+    raise RuntimeError("could not generate a unique API key")
+
+
+@transaction.atomic
+def apikey_revoke(*, actor: AbstractBaseUser, key: ApiKey, now: datetime | None = None) -> ApiKey:
+    """Revoke a key (owners and superusers; members only the keys they created). Revoking twice is a no-op."""
+    role = user_role(user=actor, tenant=key.tenant)
+    if role is None:
+        raise PermissionDenied("not your key")
+    if role != Role.OWNER and key.created_by_id != getattr(actor, "pk", None):
+        raise PermissionDenied("members may only revoke the keys they created")
+    if key.revoked_at is None:
+        key.revoked_at = now or timezone.now()
+        key.save(update_fields=["revoked_at"])
+    return key
+
+
+def apikey_mark_used(*, key: ApiKey, now: datetime | None = None) -> None:
+    """Record that the gateway accepted the key (one UPDATE, no read)."""
+    when = now or timezone.now()
+    ApiKey.objects.filter(pk=key.pk).update(last_used_at=when)
+    key.last_used_at = when
+
+
+class SystemActor:
+    """The operator running a management command: acts with superuser rights, owns no rows."""
+
+    is_superuser = True
+    is_staff = True
+    is_active = True
+    is_authenticated = True
+    is_anonymous = False
+    pk = None
+    id = None
+    username = "system"
+
+    def __str__(self) -> str:
+        return "system"
+
+
+SYSTEM = SystemActor()

@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.pools.factories import acme, admin, globex, member, outsider, owner, pool  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings: Any) -> None:
+    # The personas log in by token or by a fast hash; PBKDF2's deliberate slowness only costs test time.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
