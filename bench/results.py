@@ -1,0 +1,48 @@
+"""Write one benchmark's section of bench/RESULTS.md, leaving the other sections as they are."""
+
+from __future__ import annotations
+
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+HEADER = "# Benchmark results\n\nEach section is rewritten by the command it names; figures are as measured, not targets.\n"
+
+
+def machine_description() -> str:
+    """CPU model, core count and memory of this machine, for the record beside the figures."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        cores = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        cores = "?"
+    mem_gib = "?"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gib = f"{int(line.split()[1]) / 1024 / 1024:.0f}"
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {cores} cores, {mem_gib} GiB, Python {platform.python_version()}, {platform.system()}"
+
+
+def write_section(title: str, body: str, path: Path = RESULTS) -> None:
+    """Replace the `## title` section (up to the next `## `) or append it."""
+    text = path.read_text() if path.exists() else HEADER
+    section = f"## {title}\n\n{body.strip()}\n\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: section, text, count=1)
+    else:
+        text = text.rstrip() + "\n\n" + section
+    path.write_text(text.rstrip() + "\n")
