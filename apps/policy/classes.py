@@ -1,0 +1,138 @@
+"""Resources and service classes (seed 000, sections 3.1 and 3.2, Table 1).
+
+Three schedulable dimensions: token throughput (tokens/s), KV cache (bytes) and concurrency
+(active sequences). Five service classes with the paper's base weights and protection semantics.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from apps.policy.errors import PolicyConfigError
+
+
+class Dimension(enum.StrEnum):
+    """The three schedulable resources of a token pool (seed 000, section 3.1)."""
+
+    TOKENS_PER_SECOND = "tokens_per_second"
+    KV_BYTES = "kv_bytes"
+    CONCURRENCY = "concurrency"
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceVector:
+    """An amount of each of the three resources, e.g. a baseline `(lambda_e, chi_e, r_e)`."""
+
+    tokens_per_second: float = 0.0
+    kv_bytes: float = 0.0
+    concurrency: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_second", "kv_bytes", "concurrency"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or math.isnan(value) or value < 0:
+                raise PolicyConfigError(f"{name} must be a non-negative number, got {value!r}")
+
+    def get(self, dimension: Dimension) -> float:
+        return float(getattr(self, dimension.value))
+
+
+class Baseline(enum.StrEnum):
+    RESERVED = "reserved"
+    TIME_AVERAGED = "time_averaged"
+    NONE = "none"
+
+
+class Shrink(enum.StrEnum):
+    NEVER = "never"
+    YES = "yes"
+    EVICT = "evict"
+
+
+class SloTier(enum.StrEnum):
+    """The SLO tiers of seed 004 (GAIE convention)."""
+
+    CRITICAL = "critical"
+    STANDARD = "standard"
+    BATCH = "batch"
+    SHEDDABLE = "sheddable"
+    BACKGROUND = "background"
+
+
+@dataclass(frozen=True, slots=True)
+class ClassTraits:
+    """One row of Table 1 plus what the rest of the policy needs to know about the class."""
+
+    base_weight: float
+    baseline: Baseline
+    may_burst: bool
+    shrink: Shrink
+    default_slo_tier: SloTier
+
+    @property
+    def reserved(self) -> bool:
+        """Dedicated and guaranteed capacity is held for the entitlement even while it is idle."""
+        return self.baseline is Baseline.RESERVED
+
+    @property
+    def accrues_debt(self) -> bool:
+        """Spot and preemptible have no baseline to owe them, so they never accumulate debt."""
+        return self.baseline is not Baseline.NONE
+
+    @property
+    def evictable(self) -> bool:
+        return self.shrink is Shrink.EVICT
+
+
+class ServiceClass(enum.StrEnum):
+    DEDICATED = "dedicated"
+    GUARANTEED = "guaranteed"
+    ELASTIC = "elastic"
+    SPOT = "spot"
+    PREEMPTIBLE = "preemptible"
+
+    @property
+    def traits(self) -> ClassTraits:
+        return CLASS_TRAITS[self]
+
+    @classmethod
+    def parse(cls, value: ServiceClass | str) -> ServiceClass:
+        if isinstance(value, ServiceClass):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            known = ", ".join(member.value for member in cls)
+            raise PolicyConfigError(f"unknown service class {value!r}; expected one of {known}") from None
+
+
+CLASS_TRAITS: dict[ServiceClass, ClassTraits] = {
+    ServiceClass.DEDICATED: ClassTraits(1000.0, Baseline.RESERVED, True, Shrink.NEVER, SloTier.CRITICAL),
+    ServiceClass.GUARANTEED: ClassTraits(1000.0, Baseline.RESERVED, False, Shrink.NEVER, SloTier.CRITICAL),
+    ServiceClass.ELASTIC: ClassTraits(100.0, Baseline.TIME_AVERAGED, True, Shrink.YES, SloTier.STANDARD),
+    ServiceClass.SPOT: ClassTraits(1.0, Baseline.NONE, True, Shrink.YES, SloTier.SHEDDABLE),
+    ServiceClass.PREEMPTIBLE: ClassTraits(0.1, Baseline.NONE, True, Shrink.EVICT, SloTier.BACKGROUND),
+}
+
+
+def default_slo_tier(service_class: ServiceClass | str) -> SloTier:
+    """The SLO tier a class maps to unless the entitlement or the request overrides it."""
+    return ServiceClass.parse(service_class).traits.default_slo_tier
+
+
+def effective_slo_tier(
+    service_class: ServiceClass | str,
+    entitlement_tier: SloTier | str | None = None,
+    request_tier: SloTier | str | None = None,
+) -> str:
+    """Request override beats entitlement override beats the class default.
+
+    Returned as a plain string because seed 004 lets operators define tiers beyond the five
+    defaults (unknown tiers are then treated as `standard` by `slo_priority`).
+    """
+    for tier in (request_tier, entitlement_tier):
+        if tier is not None and str(tier).strip():
+            return tier.value if isinstance(tier, SloTier) else str(tier).strip().lower()
+    return default_slo_tier(service_class).value
