@@ -2,5 +2,35 @@
 
 from __future__ import annotations
 
+from django.urls import path
+
+from apps.dashboard import views
+
 app_name = "ui"
-urlpatterns: list = []
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("entitlements/", views.entitlement_list, name="entitlement-list"),
+    path("entitlements/new/", views.entitlement_create, name="entitlement-create"),
+    path("entitlements/<str:name>/", views.entitlement_detail, name="entitlement-detail"),
+    path("entitlements/<str:name>/edit/", views.entitlement_edit, name="entitlement-edit"),
+    path("entitlements/<str:name>/revoke/", views.entitlement_delete, name="entitlement-delete"),
+    path("keys/", views.key_list, name="key-list"),
+    path("keys/new/", views.key_create, name="key-create"),
+    path("keys/<int:key_id>/revoke/", views.key_revoke, name="key-revoke"),
+    path("pools/", views.pool_list, name="pool-list"),
+    path("pools/new/", views.pool_create, name="pool-create"),
+    path("pools/<str:name>/", views.pool_detail, name="pool-detail"),
+    path("pools/<str:name>/edit/", views.pool_edit, name="pool-edit"),
+    path("pools/<str:name>/delete/", views.pool_delete, name="pool-delete"),
+    path("pools/<str:name>/replicas/<int:replica_id>/toggle/", views.replica_toggle, name="replica-toggle"),
+    path("tenants/", views.tenant_list, name="tenant-list"),
+    path("tenants/new/", views.tenant_create, name="tenant-create"),
+    path("tenants/<str:slug>/", views.tenant_detail, name="tenant-detail"),
+    path("tenants/<str:slug>/edit/", views.tenant_edit, name="tenant-edit"),
+    path("tenants/<str:slug>/delete/", views.tenant_delete, name="tenant-delete"),
+    path("tenants/<str:slug>/members/", views.membership_add, name="membership-add"),
+    path("tenants/<str:slug>/members/<int:membership_id>/remove/", views.membership_remove, name="membership-remove"),
+    # The site runs under uvicorn (ASGI), where Django serves no static files by itself; the UI's own CSS comes
+    # through here. Under runserver/live_server the static handler answers first and this route is not reached.
+    path("static/<path:path>", views.static_asset, name="static"),
+]

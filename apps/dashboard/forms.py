@@ -1,0 +1,166 @@
+"""Forms of the admin UI pages.
+
+Plain forms, not ModelForms: they only parse and check the shape of the input. The rules (roles, names,
+capacity, binding) live in the services, whose ``ValidationError`` is folded back into the form by
+``add_service_errors`` so the page shows it next to the field it concerns.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any, cast
+
+from django import forms
+from django.core.exceptions import ValidationError
+from django.db.models import QuerySet
+
+from apps.pools.models import BackendKind, Replica, ServiceClass, TokenEntitlement, TokenPool
+from apps.tenancy.models import Role, Tenant
+
+
+def add_service_errors(form: forms.Form, error: ValidationError) -> None:
+    """Attach a service's ValidationError to the form: per field where the field is on the form."""
+    if hasattr(error, "error_dict"):
+        for field, messages in error.message_dict.items():
+            target = field if field in form.fields else None
+            for message in messages:
+                text = message if target else (message if field == "__all__" else f"{field}: {message}")
+                form.add_error(target, text)
+    else:
+        for message in error.messages:
+            form.add_error(None, message)
+
+
+class DateTimeLocalInput(forms.DateTimeInput):
+    """The browser's own date-time picker; its value format is ``YYYY-MM-DDTHH:MM``."""
+
+    input_type = "datetime-local"
+
+    def __init__(self, attrs: dict[str, Any] | None = None) -> None:
+        super().__init__(attrs=attrs, format="%Y-%m-%dT%H:%M")
+
+
+def _expires_field() -> forms.DateTimeField:
+    return forms.DateTimeField(
+        required=False,
+        widget=DateTimeLocalInput(),
+        input_formats=["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d %H:%M:%S"],
+        help_text="Optional, in UTC. Leave empty for no expiry.",
+    )
+
+
+class TenantForm(forms.Form):
+    name = forms.CharField(max_length=200)
+    slug = forms.CharField(
+        max_length=63,
+        help_text="Lowercase letters, digits and inner hyphens; used in URLs and the API.",
+    )
+
+
+class MembershipForm(forms.Form):
+    username = forms.CharField(max_length=150, help_text="An existing login.")
+    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
+
+
+class PoolForm(forms.Form):
+    name = forms.CharField(max_length=253, help_text="Kubernetes object name style: lowercase, digits, '.', '-'.")
+    model_name = forms.CharField(max_length=300, label="Model")
+    backend_kind = forms.ChoiceField(choices=BackendKind.choices, initial=BackendKind.VLLM, label="Backend")
+    min_replicas = forms.IntegerField(min_value=0, initial=1)
+    max_replicas = forms.IntegerField(min_value=1, initial=1)
+    slots_per_replica = forms.IntegerField(min_value=1, initial=16, label="Slots per replica")
+    tokens_per_second_per_replica = forms.IntegerField(min_value=1, label="Tokens/s per replica")
+    kv_cache_gib_per_replica = forms.DecimalField(
+        min_value=Decimal("0.001"), max_digits=12, decimal_places=3, label="KV cache GiB per replica"
+    )
+    kv_layers = forms.IntegerField(min_value=1, label="KV layers (L)")
+    kv_heads = forms.IntegerField(min_value=1, label="KV heads (H_kv)")
+    head_dim = forms.IntegerField(min_value=1, label="Head dimension (d_h)")
+    bytes_per_element = forms.IntegerField(min_value=1, initial=2, label="Bytes per element (b)")
+    replicas = forms.CharField(
+        required=False,
+        widget=forms.Textarea(attrs={"rows": 4, "placeholder": "http://10.0.0.5:8000\nhttp://10.0.0.6:8000 disabled"}),
+        help_text="One backend URL per line; add ' disabled' after a URL to keep it out of capacity.",
+    )
+
+    def __init__(self, *args: Any, editing: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if editing:
+            # pool_update cannot rename a pool: its name is how entitlements and the API refer to it.
+            del self.fields["name"]
+
+    def clean_replicas(self) -> list[dict[str, Any]]:
+        replicas: list[dict[str, Any]] = []
+        for line in self.cleaned_data.get("replicas", "").splitlines():
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) > 2 or (len(parts) == 2 and parts[1].lower() != "disabled"):
+                raise ValidationError(f"cannot read {line.strip()!r}: write a URL, optionally followed by 'disabled'")
+            replicas.append({"url": parts[0], "enabled": len(parts) == 1})
+        return replicas
+
+    @staticmethod
+    def replicas_as_text(pool: TokenPool) -> str:
+        replicas = Replica.objects.filter(pool=pool).order_by("position", "id")
+        return "\n".join(r.url if r.enabled else f"{r.url} disabled" for r in replicas)
+
+    @classmethod
+    def initial_for(cls, pool: TokenPool) -> dict[str, Any]:
+        initial: dict[str, Any] = {name: getattr(pool, name) for name in cls.base_fields if name != "replicas"}
+        initial["replicas"] = cls.replicas_as_text(pool)
+        return initial
+
+
+class EntitlementForm(forms.Form):
+    name = forms.CharField(max_length=253, help_text="Unique; lowercase letters, digits, '.' and '-'.")
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.none(), empty_label=None)
+    pool = forms.ModelChoiceField(queryset=TokenPool.objects.none(), empty_label=None, to_field_name="name")
+    service_class = forms.ChoiceField(choices=ServiceClass.choices, initial=ServiceClass.GUARANTEED)
+    slo_target_ms = forms.IntegerField(min_value=1, initial=200, label="SLO target (ms)")
+    tokens_per_second = forms.IntegerField(min_value=1, label="Tokens/s")
+    kv_cache_gib = forms.DecimalField(
+        min_value=Decimal("0.001"), max_digits=12, decimal_places=3, label="KV cache (GiB)"
+    )
+    concurrency = forms.IntegerField(min_value=1, help_text="Concurrent requests (decode slots).")
+    default_max_tokens = forms.IntegerField(min_value=1, required=False, label="Default max_tokens")
+    queue_max = forms.IntegerField(min_value=1, required=False, label="Queue limit")
+    expires_at = _expires_field()
+
+    def __init__(
+        self,
+        *args: Any,
+        tenants: QuerySet[Tenant] | None,
+        pools: QuerySet[TokenPool],
+        **kwargs: Any,
+    ) -> None:
+        """``tenants=None`` is the edit form: an entitlement's name and tenant never change."""
+        super().__init__(*args, **kwargs)
+        cast(forms.ModelChoiceField, self.fields["pool"]).queryset = pools
+        if tenants is None:
+            del self.fields["name"]
+            del self.fields["tenant"]
+        else:
+            cast(forms.ModelChoiceField, self.fields["tenant"]).queryset = tenants
+
+    @classmethod
+    def initial_for(cls, entitlement: TokenEntitlement) -> dict[str, Any]:
+        names = [n for n in cls.base_fields if n not in {"name", "tenant"}]
+        initial: dict[str, Any] = {name: getattr(entitlement, name) for name in names}
+        initial["pool"] = entitlement.pool.name
+        return initial
+
+
+class ApiKeyForm(forms.Form):
+    entitlement = forms.ModelChoiceField(
+        queryset=TokenEntitlement.objects.none(),
+        empty_label=None,
+        to_field_name="name",
+        help_text="The key calls the gateway under this entitlement.",
+    )
+    name = forms.CharField(max_length=200, required=False, help_text="Optional label, e.g. 'ci' or 'laptop'.")
+    expires_at = _expires_field()
+
+    def __init__(self, *args: Any, entitlements: QuerySet[TokenEntitlement], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cast(forms.ModelChoiceField, self.fields["entitlement"]).queryset = entitlements

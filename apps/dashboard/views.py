@@ -1,0 +1,454 @@
+"""Server-rendered admin UI pages.
+
+Thin views (conventions 3 and 4): a page reads through the selectors, which are scoped to the signed-in
+user and raise ``Http404`` for other tenants' objects; a form posts to a view that parses it, calls one
+service and redirects with a message. The services enforce the roles (superuser, owner, member) and raise
+``PermissionDenied`` (403) or ``ValidationError`` (shown on the form). Every page needs a login, every
+form carries the CSRF token, and every state-changing action is POST-only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.contrib.auth.models import User
+from django.contrib.staticfiles.views import serve as staticfiles_serve
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from apps.dashboard import selectors as page_selectors
+from apps.dashboard.forms import (
+    ApiKeyForm,
+    EntitlementForm,
+    MembershipForm,
+    PoolForm,
+    TenantForm,
+    add_service_errors,
+)
+from apps.pools import selectors as pool_selectors
+from apps.pools import services as pool_services
+from apps.pools.models import EntitlementState
+from apps.tenancy import selectors as tenancy_selectors
+from apps.tenancy import services as tenancy_services
+from apps.tenancy.models import Role
+
+T = TypeVar("T")
+GET_OR_POST = ["GET", "POST"]
+
+
+class AuthenticatedRequest(HttpRequest):
+    """What every view here receives: ``login_required`` guarantees a signed-in user (the default User model)."""
+
+    user: User
+
+
+def _require_superuser(request: AuthenticatedRequest) -> None:
+    # Pools and tenants are platform resources; a page to change them is not even shown to tenant users.
+    if not request.user.is_superuser:
+        raise PermissionDenied("only platform operators (superusers) manage this")
+
+
+def _call_service(form: Any, call: Callable[[], T]) -> T | None:
+    """Run the service; on ValidationError put its messages on the form and return None."""
+    try:
+        return call()
+    except ValidationError as exc:
+        add_service_errors(form, exc)
+        return None
+
+
+def _form_page(request: AuthenticatedRequest, template: str, status: int = 200, **context: Any) -> HttpResponse:
+    return render(request, template, context, status=status)
+
+
+# --- static assets ---------------------------------------------------------------------------------
+
+
+@require_GET
+def static_asset(request: HttpRequest, path: str) -> HttpResponseBase:
+    """A file from the static folders (finders), for deployments without a static file server in front.
+
+    No login: the login page needs its stylesheet. ``serve`` normalises the path and only answers with
+    files the static finders know, so nothing outside the static folders can be read.
+    """
+    served = staticfiles_serve(request, path, insecure=True)
+    response: HttpResponseBase = served
+    if isinstance(served, StreamingHttpResponse):
+        # Our assets are small; a plain response spares the ASGI handler from draining a sync file iterator
+        # (which it warns about) and the file handle is closed here.
+        body = served.getvalue()
+        served.close()
+        response = HttpResponse(body, content_type=served["Content-Type"])
+        if served.has_header("Last-Modified"):
+            response["Last-Modified"] = served["Last-Modified"]
+    response["Cache-Control"] = "public, max-age=3600"
+    return response
+
+
+# --- home --------------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def home(request: AuthenticatedRequest) -> HttpResponse:
+    overview = page_selectors.home_overview(user=request.user)
+    return render(request, "dashboard/home.html", {"overview": overview})
+
+
+# --- entitlements ------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def entitlement_list(request: AuthenticatedRequest) -> HttpResponse:
+    state = request.GET.get("state") or None
+    if state not in EntitlementState.values:
+        state = None
+    entitlements = pool_selectors.entitlement_list(user=request.user, state=state)
+    owned = tenancy_selectors.owned_tenant_ids(user=request.user)
+    return render(
+        request,
+        "dashboard/entitlement_list.html",
+        {
+            "entitlements": entitlements,
+            "states": EntitlementState.values,
+            "current_state": state,
+            "can_create": bool(owned),
+        },
+    )
+
+
+@login_required
+@require_http_methods(GET_OR_POST)
+def entitlement_create(request: AuthenticatedRequest) -> HttpResponse:
+    tenants = page_selectors.owned_tenants(user=request.user)
+    if not tenants.exists():
+        raise PermissionDenied("only owners of a tenant may create entitlements")
+    pools = pool_selectors.pool_list(user=request.user)
+    initial: dict[str, Any] = {"tenant": tenants.first()} if tenants.count() == 1 else {}
+    if request.method == "POST":
+        form = EntitlementForm(request.POST, tenants=tenants, pools=pools)
+        if form.is_valid():
+            data = form.cleaned_data
+            entitlement = _call_service(
+                form, lambda: pool_services.entitlement_create(actor=request.user, **data)
+            )
+            if entitlement is not None:
+                messages.success(
+                    request, f"Entitlement {entitlement.name} created: {entitlement.state} ({entitlement.state_reason})."
+                )
+                return redirect("ui:entitlement-detail", name=entitlement.name)
+    else:
+        pool_name = request.GET.get("pool")
+        if pool_name and pools.filter(name=pool_name).exists():
+            initial["pool"] = pool_name
+        form = EntitlementForm(initial=initial, tenants=tenants, pools=pools)
+    return _form_page(request, "dashboard/entitlement_form.html", form=form, creating=True)
+
+
+@login_required
+@require_GET
+def entitlement_detail(request: AuthenticatedRequest, name: str) -> HttpResponse:
+    entitlement = pool_selectors.entitlement_get(user=request.user, name=name)
+    role = tenancy_selectors.user_role(user=request.user, tenant=entitlement.tenant)
+    keys = tenancy_selectors.apikey_list(user=request.user, entitlement=entitlement)
+    return render(
+        request,
+        "dashboard/entitlement_detail.html",
+        {
+            "entitlement": entitlement,
+            "history": pool_selectors.entitlement_state_changes(user=request.user, entitlement=entitlement),
+            "keys": keys,
+            "can_edit": role == Role.OWNER,
+        },
+    )
+
+
+@login_required
+@require_http_methods(GET_OR_POST)
+def entitlement_edit(request: AuthenticatedRequest, name: str) -> HttpResponse:
+    entitlement = pool_selectors.entitlement_get(user=request.user, name=name)
+    if not tenancy_selectors.user_is_owner(user=request.user, tenant=entitlement.tenant):
+        raise PermissionDenied("only owners of the tenant may change its entitlements")
+    pools = pool_selectors.pool_list(user=request.user)
+    if request.method == "POST":
+        form = EntitlementForm(request.POST, tenants=None, pools=pools)
+        if form.is_valid():
+            data = form.cleaned_data
+            updated = _call_service(
+                form, lambda: pool_services.entitlement_update(actor=request.user, entitlement=entitlement, **data)
+            )
+            if updated is not None:
+                messages.success(request, f"Entitlement {updated.name} saved: {updated.state} ({updated.state_reason}).")
+                return redirect("ui:entitlement-detail", name=updated.name)
+    else:
+        form = EntitlementForm(initial=EntitlementForm.initial_for(entitlement), tenants=None, pools=pools)
+    return _form_page(request, "dashboard/entitlement_form.html", form=form, creating=False, entitlement=entitlement)
+
+
+@login_required
+@require_POST
+def entitlement_delete(request: AuthenticatedRequest, name: str) -> HttpResponse:
+    entitlement = pool_selectors.entitlement_get(user=request.user, name=name)
+    pool_services.entitlement_delete(actor=request.user, entitlement=entitlement)
+    messages.success(request, f"Entitlement {name} revoked; its keys no longer work and its capacity is freed.")
+    return redirect("ui:entitlement-list")
+
+
+# --- API keys ----------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def key_list(request: AuthenticatedRequest) -> HttpResponse:
+    return render(
+        request,
+        "dashboard/key_list.html",
+        {
+            "rows": page_selectors.key_rows(user=request.user),
+            "can_create": pool_selectors.entitlement_list(user=request.user).exists(),
+        },
+    )
+
+
+@never_cache  # the response to a successful POST carries the secret: no cache may keep it
+@login_required
+@require_http_methods(GET_OR_POST)
+def key_create(request: AuthenticatedRequest) -> HttpResponse:
+    entitlements = pool_selectors.entitlement_list(user=request.user)
+    if request.method == "POST":
+        form = ApiKeyForm(request.POST, entitlements=entitlements)
+        if form.is_valid():
+            created = _call_service(
+                form, lambda: tenancy_services.apikey_create(actor=request.user, **form.cleaned_data)
+            )
+            if created is not None:
+                key, secret = created
+                # Rendered, not redirected: the secret exists only in this response and is never stored.
+                return render(request, "dashboard/key_created.html", {"key": key, "secret": secret}, status=201)
+    else:
+        initial = {}
+        wanted = request.GET.get("entitlement")
+        if wanted and entitlements.filter(name=wanted).exists():
+            initial["entitlement"] = wanted
+        form = ApiKeyForm(initial=initial, entitlements=entitlements)
+    return _form_page(request, "dashboard/key_form.html", form=form)
+
+
+@login_required
+@require_POST
+def key_revoke(request: AuthenticatedRequest, key_id: int) -> HttpResponse:
+    key = tenancy_selectors.apikey_get(user=request.user, key_id=key_id)
+    tenancy_services.apikey_revoke(actor=request.user, key=key)
+    messages.success(request, f"Key {key.prefix}… revoked.")
+    return redirect("ui:key-list")
+
+
+# --- pools -------------------------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def pool_list(request: AuthenticatedRequest) -> HttpResponse:
+    return render(request, "dashboard/pool_list.html", {"rows": page_selectors.pool_rows(user=request.user)})
+
+
+@login_required
+@require_GET
+def pool_detail(request: AuthenticatedRequest, name: str) -> HttpResponse:
+    pool = pool_selectors.pool_get(user=request.user, name=name)
+    return render(
+        request,
+        "dashboard/pool_detail.html",
+        {
+            "pool": pool,
+            "page": page_selectors.pool_page(user=request.user, pool=pool),
+            "can_create_entitlement": bool(tenancy_selectors.owned_tenant_ids(user=request.user)),
+        },
+    )
+
+
+@login_required
+@require_http_methods(GET_OR_POST)
+def pool_create(request: AuthenticatedRequest) -> HttpResponse:
+    _require_superuser(request)
+    if request.method == "POST":
+        form = PoolForm(request.POST)
+        if form.is_valid():
+            pool = _call_service(form, lambda: pool_services.pool_create(actor=request.user, **form.cleaned_data))
+            if pool is not None:
+                messages.success(request, f"Pool {pool.name} created.")
+                return redirect("ui:pool-detail", name=pool.name)
+    else:
+        form = PoolForm()
+    return _form_page(request, "dashboard/pool_form.html", form=form, creating=True)
+
+
+@login_required
+@require_http_methods(GET_OR_POST)
+def pool_edit(request: AuthenticatedRequest, name: str) -> HttpResponse:
+    _require_superuser(request)
+    pool = pool_selectors.pool_get(user=request.user, name=name)
+    if request.method == "POST":
+        form = PoolForm(request.POST, editing=True)
+        if form.is_valid():
+            updated = _call_service(
+                form, lambda: pool_services.pool_update(actor=request.user, pool=pool, **form.cleaned_data)
+            )
+            if updated is not None:
+                messages.success(request, f"Pool {updated.name} saved; its entitlements were re-evaluated.")
+                return redirect("ui:pool-detail", name=updated.name)
+    else:
+        form = PoolForm(initial=PoolForm.initial_for(pool), editing=True)
+    return _form_page(request, "dashboard/pool_form.html", form=form, creating=False, pool=pool)
+
+
+@login_required
+@require_POST
+def pool_delete(request: AuthenticatedRequest, name: str) -> HttpResponseBase:
+    _require_superuser(request)
+    pool = pool_selectors.pool_get(user=request.user, name=name)
+    try:
+        pool_services.pool_delete(actor=request.user, pool=pool)
+    except ValidationError as exc:
+        for message in exc.messages:
+            messages.error(request, message)
+        return redirect("ui:pool-detail", name=name)
+    messages.success(request, f"Pool {name} deleted.")
+    return redirect("ui:pool-list")
+
+
+@login_required
+@require_POST
+def replica_toggle(request: AuthenticatedRequest, name: str, replica_id: int) -> HttpResponse:
+    _require_superuser(request)
+    pool = pool_selectors.pool_get(user=request.user, name=name)
+    replica = page_selectors.pool_replica(pool=pool, replica_id=replica_id)
+    if replica is None:
+        raise Http404("no such replica in this pool")
+    enabled = not replica.enabled
+    pool_services.replica_set_enabled(actor=request.user, replica=replica, enabled=enabled)
+    messages.success(
+        request, f"Replica {replica.url} {'enabled' if enabled else 'disabled'}; the pool's entitlements were re-evaluated."
+    )
+    return redirect("ui:pool-detail", name=pool.name)
+
+
+# --- tenants (superusers) ----------------------------------------------------------------------------
+
+
+@login_required
+@require_GET
+def tenant_list(request: AuthenticatedRequest) -> HttpResponse:
+    _require_superuser(request)
+    tenants = page_selectors.tenants_with_counts(user=request.user)
+    return render(request, "dashboard/tenant_list.html", {"tenants": tenants})
+
+
+@login_required
+@require_http_methods(GET_OR_POST)
+def tenant_create(request: AuthenticatedRequest) -> HttpResponse:
+    _require_superuser(request)
+    if request.method == "POST":
+        form = TenantForm(request.POST)
+        if form.is_valid():
+            tenant = _call_service(
+                form, lambda: tenancy_services.tenant_create(actor=request.user, **form.cleaned_data)
+            )
+            if tenant is not None:
+                messages.success(request, f"Tenant {tenant.slug} created.")
+                return redirect("ui:tenant-detail", slug=tenant.slug)
+    else:
+        form = TenantForm()
+    return _form_page(request, "dashboard/tenant_form.html", form=form, creating=True)
+
+
+@login_required
+@require_GET
+def tenant_detail(request: AuthenticatedRequest, slug: str) -> HttpResponse:
+    _require_superuser(request)
+    tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
+    return render(
+        request,
+        "dashboard/tenant_detail.html",
+        {
+            "tenant": tenant,
+            "memberships": tenancy_selectors.membership_list(user=request.user, tenant=tenant),
+            "entitlements": pool_selectors.entitlement_list(user=request.user, tenant=tenant),
+            "keys": tenancy_selectors.apikey_list(user=request.user, tenant=tenant),
+            "membership_form": MembershipForm(),
+        },
+    )
+
+
+@login_required
+@require_http_methods(GET_OR_POST)
+def tenant_edit(request: AuthenticatedRequest, slug: str) -> HttpResponse:
+    _require_superuser(request)
+    tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
+    if request.method == "POST":
+        form = TenantForm(request.POST)
+        if form.is_valid():
+            updated = _call_service(
+                form, lambda: tenancy_services.tenant_update(actor=request.user, tenant=tenant, **form.cleaned_data)
+            )
+            if updated is not None:
+                messages.success(request, f"Tenant {updated.slug} saved.")
+                return redirect("ui:tenant-detail", slug=updated.slug)
+    else:
+        form = TenantForm(initial={"name": tenant.name, "slug": tenant.slug})
+    return _form_page(request, "dashboard/tenant_form.html", form=form, creating=False, tenant=tenant)
+
+
+@login_required
+@require_POST
+def tenant_delete(request: AuthenticatedRequest, slug: str) -> HttpResponse:
+    _require_superuser(request)
+    tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
+    tenancy_services.tenant_delete(actor=request.user, tenant=tenant)
+    messages.success(request, f"Tenant {slug} deleted with its memberships, entitlements and keys.")
+    return redirect("ui:tenant-list")
+
+
+@login_required
+@require_POST
+def membership_add(request: AuthenticatedRequest, slug: str) -> HttpResponse:
+    _require_superuser(request)
+    tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
+    form = MembershipForm(request.POST)
+    if form.is_valid():
+        user = tenancy_selectors.user_list(user=request.user).filter(username=form.cleaned_data["username"]).first()
+        if user is None:
+            messages.error(request, f"No login named {form.cleaned_data['username']!r}.")
+        else:
+            try:
+                tenancy_services.membership_set(
+                    actor=request.user, tenant=tenant, user=user, role=form.cleaned_data["role"]
+                )
+            except ValidationError as exc:
+                for message in exc.messages:
+                    messages.error(request, message)
+            else:
+                messages.success(request, f"{user.get_username()} is now {form.cleaned_data['role']} of {tenant.slug}.")
+    else:
+        messages.error(request, "Give a username and a role.")
+    return redirect("ui:tenant-detail", slug=tenant.slug)
+
+
+@login_required
+@require_POST
+def membership_remove(request: AuthenticatedRequest, slug: str, membership_id: int) -> HttpResponse:
+    _require_superuser(request)
+    tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
+    membership = tenancy_selectors.membership_get(user=request.user, membership_id=membership_id)
+    if membership.tenant.pk != tenant.pk:
+        raise Http404("no such membership in this tenant")
+    tenancy_services.membership_remove(actor=request.user, membership=membership)
+    messages.success(request, f"{membership.user.get_username()} removed from {tenant.slug}.")
+    return redirect("ui:tenant-detail", slug=tenant.slug)
