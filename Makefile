@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: venv vllm-venv litellm-venv bench-gateway system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,21 @@ lint: venv
 
 bench-policy: venv
 	$(BIN)/python -m bench.policy --write-results
+
+bench-sim: venv
+	$(BIN)/python -m bench.sim --requests 1000000 --write-results
+
+# The seed papers' experiments in virtual time: reports with Plotly figures under var/experiments/.
+sim-exp1: venv
+	$(BIN)/python -m apps.simulator.experiments exp1 --out var/experiments
+sim-exp2: venv
+	$(BIN)/python -m apps.simulator.experiments exp2 --out var/experiments
+sim-drr: venv
+	$(BIN)/python -m apps.simulator.experiments drr --out var/experiments
+sim-aimd: venv
+	$(BIN)/python -m apps.simulator.experiments aimd --out var/experiments
+sim-experiments: venv
+	$(BIN)/python -m apps.simulator.experiments all --out var/experiments
 
 bench-gateway: venv system-deps litellm-venv
 	$(BIN)/python -m bench.gateway --write-results

@@ -1,0 +1,277 @@
+"""Adapters that let the cluster drive `apps.policy`: BLIS's admission policies (through `AdmissionStage`)
+and the seed-000 token-pools admission (through `AdmissionLedger`). Every decision, queue, release, debt and
+burst update is the policy package's; these classes only translate simulator requests and clocks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from apps.policy.admission import AdmissionConfig, AdmissionRequest, EntitlementLimits, EntitlementState
+from apps.policy.blis import AdmissionStage, BlisRequest, ClusterView, TenantBudgets, make_admission_policy
+from apps.policy.errors import PolicyConfigError
+from apps.policy.ledger import AdmissionLedger
+from apps.policy.priority import Dynamics, DynamicsConfig
+from apps.policy.saturation import InstanceSnapshot, pool_saturation
+from apps.simulator.cluster import ADMIT_NOW, Cluster, GateDecision
+from apps.simulator.instance import SimRequest
+from apps.simulator.workload import TenantSpec
+
+BLIS_POLICIES = ("always-admit", "token-bucket", "tier-shed", "gaie-legacy", "reject-all")
+
+
+def instance_snapshots(cluster: Cluster) -> list[InstanceSnapshot]:
+    now = cluster.loop.time
+    return [
+        InstanceSnapshot(len(i.waiting), i.kv_utilization, updated_at=now, batch_size=len(i.running))
+        for i in cluster.instances
+        if i.online
+    ]
+
+
+class _HoldNothing:
+    """Shared no-op hooks for adapters without a gateway queue."""
+
+    def on_dispatch(self, request: SimRequest) -> None:
+        return None
+
+    def on_done(self, request: SimRequest) -> None:
+        return None
+
+    def next_dispatch(self) -> SimRequest | None:
+        return None
+
+    def queued(self) -> int:
+        return 0
+
+    def on_capacity_change(self) -> None:
+        return None
+
+
+class BlisAdmission(_HoldNothing):
+    """One of seed 004's cluster admission policies, optionally behind per-tenant budgets."""
+
+    def __init__(
+        self,
+        policy: str,
+        params: dict[str, Any] | None = None,
+        tenant_budgets: dict[str, float] | None = None,
+        slo_priorities: dict[str, int] | None = None,
+    ) -> None:
+        params = dict(params or {})
+        if slo_priorities and policy in ("tier-shed", "gaie-legacy"):
+            params.setdefault("slo_priorities", slo_priorities)
+        budgets = TenantBudgets(tenant_budgets, slo_priorities) if tenant_budgets else None
+        self.stage = AdmissionStage(make_admission_policy(policy, **params), budgets)
+        self.name = policy
+        # Only these two read instance state; the others get an empty view (keeps the hot path lean).
+        self.needs_snapshots = policy in ("tier-shed", "gaie-legacy")
+
+    def bind(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def decide(self, request: SimRequest) -> GateDecision:
+        cluster = self.cluster
+        view = ClusterView(instance_snapshots(cluster) if self.needs_snapshots else (), cluster.loop.time)
+        usage = float(cluster.stats.tenants[request.tenant].in_flight)
+        decision = self.stage.admit(
+            BlisRequest(request.prompt_tokens, request.slo_class or "standard", request.tenant), view, usage
+        )
+        if decision.admitted:
+            return ADMIT_NOW
+        return GateDecision("reject", decision.reason)
+
+
+@dataclass
+class DebtSample:
+    time: float
+    debt: dict[str, float] = field(default_factory=dict)
+    burst: dict[str, float] = field(default_factory=dict)
+    priority: dict[str, float] = field(default_factory=dict)
+
+
+def entitlement_limits(tenant: TenantSpec) -> EntitlementLimits:
+    """The entitlement a scenario tenant holds: its `entitlement:` mapping, with the tenant's SLO."""
+    spec = dict(tenant.entitlement)
+    spec.setdefault("slo_target_ms", tenant.slo_target_ms or 1000.0)
+    spec.setdefault("tenant_id", tenant.name)
+    try:
+        return EntitlementLimits(entitlement_id=tenant.name, **spec)
+    except TypeError as error:
+        raise PolicyConfigError(f"tenant {tenant.name!r}: entitlement: {error}") from None
+
+
+class TokenPoolsAdmission:
+    """Seed 000's admission: the five ordered checks, priority (1), debt (2) and burst (3) ticks, the
+    pool-contention queue and Retry-After, all from `AdmissionLedger`. Entitlements bind when their tenant
+    joins and expire when it leaves; pool capacity follows the cluster's online slots."""
+
+    name = "token-pools"
+
+    def __init__(
+        self,
+        tenants: list[TenantSpec],
+        *,
+        seed: int = 0,
+        tick_s: float = 1.0,
+        expire_check_s: float = 0.05,
+        config: AdmissionConfig | None = None,
+        dynamics: DynamicsConfig | None = None,
+        mean_slo_ms: float | None = None,
+        retry_jitter: float = 0.0,
+        use_saturation: bool = False,
+    ) -> None:
+        self.tenants = tenants
+        self.limits = {tenant.name: entitlement_limits(tenant) for tenant in tenants}
+        self.seed = seed
+        self.tick_s = tick_s
+        self.expire_check_s = expire_check_s
+        self.config = config or AdmissionConfig()
+        self.dynamics_config = dynamics or DynamicsConfig()
+        self.mean_slo_ms = mean_slo_ms
+        self.retry_jitter = retry_jitter
+        self.use_saturation = use_saturation
+        self.held: dict[str, SimRequest] = {}
+        self.ready: deque[SimRequest] = deque()
+        self.live: dict[str, SimRequest] = {}
+        self.retired: set[str] = set()
+        self.debt_samples: list[DebtSample] = []
+        self.priorities: dict[str, float] = {}
+
+    def bind(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        loop = cluster.loop
+        self.ledger = AdmissionLedger(
+            concurrency_capacity=cluster.slot_capacity(),
+            mean_slo_ms=self.mean_slo_ms,
+            config=self.config,
+            dynamics_config=self.dynamics_config,
+            rng=random.Random(f"{self.seed}:ledger"),
+            retry_jitter=self.retry_jitter,
+            now=0.0,
+        )
+        for tenant in self.tenants:
+            loop.at(tenant.start, self._join, tenant.name)
+            if tenant.stop is not None:
+                loop.at(tenant.stop, self._leave, tenant.name)
+        loop.at(self.tick_s, self._tick, daemon=True)
+
+    # ---- entitlement lifecycle -------------------------------------------------------------------
+    def _join(self, name: str) -> None:
+        self.ledger.upsert_entitlement(self.limits[name], self.cluster.loop.time)
+        self.retired.discard(name)
+        self._sync_held()
+
+    def _leave(self, name: str) -> None:
+        limits = replace(self.limits[name], state=EntitlementState.EXPIRED, concurrency=0, kv_bytes=None)
+        self.ledger.upsert_entitlement(limits, self.cluster.loop.time)
+        self.retired.add(name)
+        self._sync_held()
+
+    def _sync_held(self) -> None:
+        """`upsert_entitlement` drains the ledger's queue without returning what it started; find those."""
+        started = [key for key in self.held if self.ledger.request_state(key) == "running"]
+        self._collect(started)
+
+    def _tick(self) -> None:
+        now = self.cluster.loop.time
+        if self.use_saturation:
+            self._collect(
+                self.ledger.set_saturation(pool_saturation(instance_snapshots(self.cluster), now=now), now)
+            )
+        dynamics = self.ledger.tick(now)
+        self._record(now, dynamics)
+        for name in list(self.retired):
+            try:
+                self.ledger.remove_entitlement(name)
+                self.retired.discard(name)
+            except PolicyConfigError:
+                pass  # still has requests in flight; try again next tick
+        self.cluster.loop.after(self.tick_s, self._tick, daemon=True)
+
+    def _record(self, now: float, dynamics: Any) -> None:
+        sample = DebtSample(now)
+        mean = self.ledger.mean_slo_ms
+        from apps.policy.admission import request_priority
+
+        for name, state in dynamics.items():
+            limits = self.ledger.limits(name)
+            if limits is None:
+                continue
+            sample.debt[name] = state.debt
+            sample.burst[name] = state.burst
+            sample.priority[name] = request_priority(
+                limits.traits, limits.slo_target_ms, mean, state.burst, state.debt, self.config
+            )
+        self.debt_samples.append(sample)
+
+    def dynamics(self, name: str) -> Dynamics:
+        return self.ledger.dynamics(name)
+
+    # ---- the gateway's calls ---------------------------------------------------------------------
+    def decide(self, request: SimRequest) -> GateDecision:
+        now = self.cluster.loop.time
+        key = str(request.rid)
+        result = self.ledger.request(
+            request.tenant,
+            AdmissionRequest(key, request.prompt_tokens, max_tokens=request.output_tokens),
+            now,
+        )
+        decision = result.decision
+        for evicted in result.evicted:
+            victim = self.live.pop(evicted, None)
+            if victim is not None:
+                self.cluster.evict(victim, "evicted")
+        if decision.admitted:
+            self.live[key] = request
+            self._collect(tuple(s for s in result.started if s != key))
+            return GateDecision("admit", decision.reason, priority=decision.priority)
+        if decision.queued:
+            self.held[key] = request
+            self._collect(result.started)
+            if key in self.held:
+                self.cluster.loop.after(self.config.wait_timeout_s + 1e-9, self._expire)
+            return GateDecision("queue", decision.reason, priority=decision.priority)
+        # Non-retryable rejections carry no Retry-After; the client falls back to its own backoff.
+        retry = decision.retry_after_s if decision.retryable else None
+        return GateDecision("reject", decision.reason, retry_after_s=retry)
+
+    def _collect(self, started: Any) -> None:
+        for key in started:
+            request = self.held.pop(key, None)
+            if request is not None:
+                self.live[key] = request
+                self.ready.append(request)
+        if self.ready:
+            self.cluster.loop.after(0.0, self.cluster.pump)
+
+    def _expire(self) -> None:
+        now = self.cluster.loop.time
+        for key in self.ledger.expire_waiting(now):
+            request = self.held.pop(key, None)
+            if request is not None:
+                self.cluster.expire(request)
+
+    def on_dispatch(self, request: SimRequest) -> None:
+        return None
+
+    def on_done(self, request: SimRequest) -> None:
+        key = str(request.rid)
+        if self.live.pop(key, None) is None:
+            return
+        produced = request.generated if request.outcome.startswith("lost") else request.output_tokens
+        result = self.ledger.release(key, self.cluster.loop.time, produced)
+        self._collect(result.started)
+
+    def next_dispatch(self) -> SimRequest | None:
+        return self.ready.popleft() if self.ready else None
+
+    def queued(self) -> int:
+        return len(self.held) + len(self.ready)
+
+    def on_capacity_change(self) -> None:
+        now = self.cluster.loop.time
+        self._collect(self.ledger.set_capacity(self.cluster.slot_capacity(), now))

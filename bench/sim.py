@@ -1,0 +1,167 @@
+"""Simulator throughput: simulated requests per wall-clock second for a 4-instance cluster with 128-token
+outputs and token-pools admission, and the wall time of a 1,000,000-request run (target: >= 20,000
+simulated requests/s on one core).
+
+    python -m bench.sim                      # 1,000,000 requests
+    python -m bench.sim --requests 100000    # quicker
+    python -m bench.sim --profile            # cProfile top entries on stderr
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+from apps.simulator.factory import build_admission
+from apps.simulator.simulation import SimConfig, Simulation
+from apps.simulator.workload import LengthSpec, TenantSpec
+
+TARGET_REQUESTS_PER_S = 20_000
+# Four tenants at this rate offer a little more than the four instances serve: spot gets throttled.
+RATE_PER_TENANT = 80.0
+
+
+def bench_config(num_requests: int, seed: int = 1) -> SimConfig:
+    """Four H100 instances (roofline, qwen/qwen3-8b) offered slightly more than they serve, four entitlements."""
+    prompt, output = LengthSpec("fixed", 256), LengthSpec("fixed", 128)
+    tenants = [
+        TenantSpec(
+            "guaranteed",
+            slo_class="critical",
+            rate=RATE_PER_TENANT,
+            slo_target_ms=500,
+            entitlement={"service_class": "guaranteed", "concurrency": 256},
+            input=prompt,
+            output=output,
+        ),  # fmt: skip
+        TenantSpec(
+            "elastic-a",
+            rate=RATE_PER_TENANT,
+            slo_target_ms=2000,
+            entitlement={"service_class": "elastic", "concurrency": 256},
+            input=prompt,
+            output=output,
+        ),  # fmt: skip
+        TenantSpec(
+            "elastic-b",
+            rate=RATE_PER_TENANT,
+            slo_target_ms=10000,
+            entitlement={"service_class": "elastic", "concurrency": 256},
+            input=prompt,
+            output=output,
+        ),  # fmt: skip
+        TenantSpec(
+            "spot",
+            slo_class="sheddable",
+            rate=RATE_PER_TENANT,
+            slo_target_ms=30000,
+            entitlement={"service_class": "spot", "concurrency": 256},
+            input=prompt,
+            output=output,
+        ),  # fmt: skip
+    ]
+    return SimConfig(
+        latency_model="roofline",
+        gpu="h100",
+        model="qwen/qwen3-8b",
+        num_instances=4,
+        max_num_seqs=256,
+        routing="least-loaded",
+        tenants=tenants,
+        num_requests=num_requests,
+        seed=seed,
+        record_latencies=False,
+    )
+
+
+def run(num_requests: int) -> dict[str, Any]:
+    config = bench_config(num_requests)
+    admission = build_admission({"policy": "token-pools", "tick_s": 1.0}, config)
+    simulation = Simulation(config, admission)
+    started = time.perf_counter()
+    simulation.run()
+    wall = time.perf_counter() - started
+    summary = simulation.summary()
+    return {
+        "requests": summary["num_requests"],
+        "completed": summary["completed_requests"],
+        "rejected": summary["rejected_requests"],
+        "conservation": summary["conservation"]["holds"],
+        "simulated_s": summary["simulated_seconds"],
+        "wall_s": round(wall, 2),
+        "requests_per_wall_s": round(summary["num_requests"] / wall),
+        "events": simulation.loop.events_run,
+        "slot_fraction": summary["utilization"]["slot_fraction"],
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim")
+    parser.add_argument("--requests", type=int, default=1_000_000)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--write-results", action="store_true", help="rewrite the Simulator section of RESULTS.md"
+    )
+    args = parser.parse_args(argv)
+    if args.requests < 1:
+        print("bench.sim: error: --requests must be positive", file=sys.stderr)
+        return 2
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        result = run(args.requests)
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    else:
+        result = run(args.requests)
+    result["target_requests_per_wall_s"] = TARGET_REQUESTS_PER_S
+    result["meets_target"] = result["requests_per_wall_s"] >= TARGET_REQUESTS_PER_S
+    if args.write_results:
+        write_results(result, args.requests)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def write_results(result: dict[str, Any], requests: int) -> None:
+    import os
+    from datetime import UTC, datetime
+
+    from bench.results import machine_description, write_section
+
+    load = os.getloadavg()[0]
+    body = f"""
+- Command: `python -m bench.sim --requests {requests} --write-results`
+- Machine: {machine_description()} (shared with other jobs; 1-min load {load:.2f} at the end)
+- Date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC
+
+Target: at least {TARGET_REQUESTS_PER_S:,} simulated requests per wall-clock second on one core.
+
+Set-up: 4 instances (roofline, H100, qwen/qwen3-8b, 256 slots each, least-loaded routing), four entitlements
+(guaranteed, 2 elastic, spot) at {RATE_PER_TENANT:.0f} req/s each of 256-token prompts and 128-token outputs, token-pools
+admission through `apps.policy.AdmissionLedger` (debt/burst tick every simulated second), one process.
+
+| measurement | value |
+|---|---:|
+| requests simulated | {result["requests"]:,} |
+| wall time (s) | {result["wall_s"]:.2f} |
+| simulated requests per wall-clock second | {result["requests_per_wall_s"]:,} |
+| simulated time (s) | {result["simulated_s"]:.1f} |
+| events run | {result["events"]:,} |
+| completed / rejected | {result["completed"]:,} / {result["rejected"]:,} |
+| conservation holds | {result["conservation"]} |
+| slot utilization | {result["slot_fraction"]} |
+"""
+    write_section("Simulator", body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
