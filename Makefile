@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: tiny-model train-tiny bench-engine venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,15 @@ sim-aimd: venv
 	$(BIN)/python -m apps.simulator.experiments aimd --out var/experiments
 sim-experiments: venv
 	$(BIN)/python -m apps.simulator.experiments all --out var/experiments
+
+# Our inference engine: a random-weight model for tests, a small trained one (committed) for quality.
+var/models/tiny/model.safetensors: | $(STAMP)
+	$(BIN)/python -m workers.engine.tiny_model --out var/models/tiny
+tiny-model: venv var/models/tiny/model.safetensors
+train-tiny: venv
+	$(BIN)/python -m workers.engine.train_tiny --out workers/engine/assets/tiny-stdlib --minutes 24
+bench-engine: venv tiny-model vllm-venv
+	$(BIN)/python -m bench.engine --throughput --quality --vs-vllm --write-results
 
 bench-gateway: venv system-deps litellm-venv
 	$(BIN)/python -m bench.gateway --write-results

@@ -1,0 +1,513 @@
+"""Token-level KV eviction policies over the shared pool: Token-PD (seed 001), baselines and ablations.
+
+Every policy keeps its statistics in flat per-slot tensors (the pool's slot index is the token's id), so
+one step's work is a handful of vectorised operations over the whole batch, not a loop over sequences.
+
+The engine drives a policy in this order each step:
+1. `make_room(view, need)` before the forward when the incoming tokens would not fit the budget `M`:
+   the exact global cut-off, evicting the `need` lowest-scored unprotected tokens (the hard guarantee);
+2. `on_insert` for the new tokens and `observe` with the attention mass each cached token received
+   (dense over the pool's slots, with a mask of the slots whose sequence took part in the step);
+3. `voluntary_evictions(view)`: what the policy drops on its own (Token-PD's priced-out tokens, H2O's
+   per-sequence budget);
+4. `end_step(view, demand_tokens)`: Token-PD's multiplicative update of the dual price `mu`.
+Sinks and recent tokens are protected by the engine for every policy alike (`view.protected`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PoolView:
+    """What a policy may read about the pool at one step (CPU tensors indexed by slot)."""
+
+    live: torch.Tensor  # bool
+    protected: torch.Tensor  # bool, live tokens no policy may evict (sinks and recent window)
+    owner: torch.Tensor  # long, the sequence row holding the slot, -1 when free
+    position: torch.Tensor  # long, the token's original position in its sequence
+    birth: torch.Tensor  # long, global arrival order
+    owner_seen: torch.Tensor  # long, tokens seen by the slot's sequence
+    num_rows: int  # size of the sequence-row table (owner values are < num_rows)
+    running_rows: torch.Tensor  # long, rows of the sequences currently holding a cache
+    budget_tokens: int
+    step: int
+    # Tokens cached per sequence row, when the caller already knows them (saves a pass over the pool).
+    row_cached: torch.Tensor | None = None
+
+    @property
+    def evictable(self) -> torch.Tensor:
+        return self.live & ~self.protected
+
+    @property
+    def used_tokens(self) -> int:
+        return int(self.live.sum())
+
+
+def lowest_scored(score: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """Slots of the `count` lowest scores among `candidates` (all of them if there are fewer)."""
+    if count <= 0:
+        return torch.zeros(0, dtype=torch.long)
+    available = int(candidates.sum())
+    if count >= available:
+        return candidates.nonzero().squeeze(1)
+    # Masking and one dense top-k is about twice as fast as gathering the candidates first.
+    fill = float("inf") if score.is_floating_point() else torch.iinfo(score.dtype).max
+    masked = score.masked_fill(~candidates, fill)
+    _, chosen = torch.topk(masked, count, largest=False, sorted=False)
+    return chosen
+
+
+def lowest_scored_per_owner(
+    score: torch.Tensor, candidates: torch.Tensor, owner: torch.Tensor, excess: torch.Tensor
+) -> torch.Tensor:
+    """For each owner row r, the `excess[r]` lowest-scored candidate slots it holds."""
+    if excess.numel() and int(excess.max()) == 1:
+        return _lowest_scored_one_per_owner(score, candidates, owner, excess)
+    index = candidates.nonzero().squeeze(1)
+    if index.numel() == 0:
+        return index
+    index = index[torch.argsort(score[index], stable=True)]
+    index = index[torch.argsort(owner[index], stable=True)]
+    owners = owner[index]
+    counts = torch.bincount(owners, minlength=excess.numel())
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(index.numel()) - starts[owners]
+    return index[rank < excess[owners]]
+
+
+def _lowest_scored_one_per_owner(
+    score: torch.Tensor, candidates: torch.Tensor, owner: torch.Tensor, excess: torch.Tensor
+) -> torch.Tensor:
+    """The common decode case (each sequence one token over): per-owner minimum by scatter, no sort."""
+    rows = excess.numel()
+    owners = owner.clamp(min=0)
+    wanted = candidates & (excess[owners] > 0)
+    masked = score.double().masked_fill(~wanted, float("inf"))
+    lowest = torch.full((rows,), float("inf"), dtype=torch.float64).scatter_reduce_(0, owners, masked, "amin")
+    at_minimum = wanted & (masked == lowest[owners])
+    # Ties keep only the first slot per owner, so each owner gives up exactly one token.
+    slots = torch.arange(score.numel())
+    sentinel = score.numel()
+    first = torch.full((rows,), sentinel, dtype=torch.long).scatter_reduce_(
+        0, owners, torch.where(at_minimum, slots, sentinel), "amin"
+    )
+    return first[first < sentinel]
+
+
+class EvictionPolicy:
+    """No eviction: the pool fills and sequences are preempted (what vLLM does)."""
+
+    name = "none"
+    evicts = False
+
+    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
+        self.num_slots = num_slots
+        self.bytes_per_token = bytes_per_token
+        self.budget_tokens = budget_tokens
+        self.max_batch_size = max_batch_size
+
+    def on_insert(self, slots: torch.Tensor, step: int) -> None:
+        """New tokens took these slots."""
+
+    def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        """`mass[s]` is the attention slot s received this step; `stepped[s]` whether its sequence ran."""
+
+    def on_logits(self, view: PoolView, slots: torch.Tensor, logits: torch.Tensor) -> None:
+        """The next-token logits each decode step produced for its newest token (`slots[i]`)."""
+
+    def scores(self, view: PoolView) -> torch.Tensor:
+        """Higher keeps; the hard cut-off evicts the lowest."""
+        return view.birth
+
+    def make_room(self, view: PoolView, need: int) -> torch.Tensor:
+        if not self.evicts:
+            return torch.zeros(0, dtype=torch.long)
+        return lowest_scored(self.scores(view), view.evictable, need)
+
+    def voluntary_evictions(self, view: PoolView) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.long)
+
+    def end_step(self, view: PoolView, demand_tokens: int) -> None:
+        """Called once per step after evictions; `demand_tokens` counts what the step wanted to keep."""
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+
+class FifoPolicy(EvictionPolicy):
+    """Evict the oldest unprotected token of the whole batch."""
+
+    name = "fifo"
+    evicts = True
+
+
+class LruPolicy(EvictionPolicy):
+    """Evict the token least recently *used*: used at a step when it got more than a uniform share."""
+
+    name = "lru"
+    evicts = True
+
+    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
+        # float32 counts steps exactly up to 2**24; the top-k over float32 is the cheapest there is.
+        self.last_used = torch.zeros(num_slots, dtype=torch.float32)
+
+    def on_insert(self, slots: torch.Tensor, step: int) -> None:
+        self.last_used[slots] = float(step)
+
+    def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        held = view.row_cached
+        if held is None:
+            held = torch.bincount(view.owner[view.live], minlength=view.num_rows)
+        context_length = held[view.owner.clamp(min=0)]
+        used = stepped & (mass * context_length >= 1.0)
+        self.last_used.masked_fill_(used, float(view.step))
+
+    def scores(self, view: PoolView) -> torch.Tensor:
+        return self.last_used  # ties (tokens last used at the same step) go in no particular order
+
+
+class H2OPolicy(EvictionPolicy):
+    """Heavy-Hitter Oracle: per sequence, keep `k` tokens: the k/2 most recent and the k/2 heaviest."""
+
+    name = "h2o"
+    evicts = True
+
+    def __init__(self, per_sequence_budget: int | None = None) -> None:
+        self.per_sequence_budget = per_sequence_budget
+
+    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
+        self.accumulated = torch.zeros(num_slots, dtype=torch.float32)
+        # The paper fixes k per sequence; the default splits M evenly over a full batch.
+        self.k = self.per_sequence_budget or max(2, budget_tokens // max(1, max_batch_size))
+
+    def on_insert(self, slots: torch.Tensor, step: int) -> None:
+        self.accumulated[slots] = 0.0
+
+    def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        self.accumulated += mass  # zero for slots outside the step
+
+    def scores(self, view: PoolView) -> torch.Tensor:
+        recent = view.position >= view.owner_seen - self.k // 2
+        return self.accumulated + recent.float() * 1e6
+
+    def voluntary_evictions(self, view: PoolView) -> torch.Tensor:
+        owners = view.owner.clamp(min=0)
+        held = torch.bincount(owners[view.live], minlength=view.num_rows)
+        excess = (held - self.k).clamp(min=0)
+        if int(excess.sum()) == 0:
+            return torch.zeros(0, dtype=torch.long)
+        recent = view.position >= view.owner_seen - self.k // 2
+        # Only the sequences over their budget take part in the per-sequence sort.
+        candidates = view.evictable & ~recent & (excess[owners] > 0)
+        return lowest_scored_per_owner(self.accumulated, candidates, owners, excess)
+
+    def gauges(self) -> dict[str, float]:
+        return {"h2o_per_sequence_budget": float(self.k)}
+
+
+@dataclass(frozen=True)
+class TokenPDParams:
+    ewma_alpha: float = 0.3  # weight of the newest attention observation in R
+    risk_aversion: float = 0.1  # lambda
+    learning_rate: float = 4.0  # eta of the multiplicative price update
+    initial_price_per_token: float = 1e-3  # mu * c at start, in units of attention mass
+    min_price_per_token: float = 1e-9
+    max_price_per_token: float = 10.0
+
+
+class TokenPDPolicy(EvictionPolicy):
+    """Token-PD: excess value g = R - lambda*sigma^2 - mu*c against one batch-global dual price mu.
+
+    `R` is an exponential average of the attention mass a token receives (already averaged over the
+    layers and the heads, GQA groups included); `sigma^2` the exponential variance of the same signal;
+    `c` the bytes of one token's keys and values in every layer. Tokens with g < 0 are evicted; `mu`
+    rises multiplicatively while the tokens the batch wants exceed M and falls when they do not. The
+    engine's `make_room` cut-off enforces M exactly in the steps before the price has caught up.
+    """
+
+    name = "token-pd"
+    evicts = True
+    use_price = True
+
+    def __init__(self, params: TokenPDParams | None = None) -> None:
+        self.params = params or TokenPDParams()
+
+    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
+        self.ret = torch.zeros(num_slots, dtype=torch.float32)
+        self.ret_sq = torch.zeros(num_slots, dtype=torch.float32)
+        self.observed = torch.zeros(num_slots, dtype=torch.bool)
+        self.mu = self.params.initial_price_per_token / bytes_per_token
+        self.priced_out_total = 0
+        self._value = torch.zeros(num_slots, dtype=torch.float32)
+        self._priced_out = torch.zeros(num_slots, dtype=torch.bool)
+
+    def on_insert(self, slots: torch.Tensor, step: int) -> None:
+        self.ret[slots] = 0.0
+        self.ret_sq[slots] = 0.0
+        self.observed[slots] = False
+
+    def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        alpha = self.params.ewma_alpha
+        # Dense in-place updates over the whole pool (a few passes, no gathers); the rare slots that must
+        # not move are patched by index afterwards: tokens of a live sequence that sat this step out keep
+        # their averages, and a token's first observation seeds them (no zero prior to price it on).
+        sat_out = (view.live & ~stepped).nonzero().squeeze(1)
+        kept_ret, kept_sq = self.ret[sat_out], self.ret_sq[sat_out]
+        self.ret.mul_(1 - alpha).add_(mass, alpha=alpha)
+        self.ret_sq.mul_(1 - alpha).addcmul_(mass, mass, value=alpha)
+        self.ret[sat_out], self.ret_sq[sat_out] = kept_ret, kept_sq
+        fresh = (stepped & ~self.observed).nonzero().squeeze(1)
+        self.ret[fresh] = mass[fresh]
+        self.ret_sq[fresh] = mass[fresh] * mass[fresh]
+        self.observed |= stepped
+        # R - lambda*sigma^2 with sigma^2 = E[m^2] - R^2, in two fused passes.
+        lam = self.params.risk_aversion
+        # Written into a preallocated buffer: a fresh pool-sized tensor per step costs page faults.
+        torch.addcmul(self.ret, self.ret, self.ret, value=lam, out=self._value).sub_(self.ret_sq, alpha=lam)
+
+    def risk(self) -> torch.Tensor:
+        return (self.ret_sq - self.ret * self.ret).clamp(min=0.0)
+
+    def value(self) -> torch.Tensor:
+        """R - lambda * sigma^2, before the price (computed once per step, when attention is observed)."""
+        return self._value
+
+    def price_per_token(self, view: PoolView) -> torch.Tensor | float:
+        return self.mu * self.bytes_per_token
+
+    def scores(self, view: PoolView) -> torch.Tensor:
+        # The price is the same for every token under one global mu, so it cannot change the order.
+        return self.value()
+
+    def voluntary_evictions(self, view: PoolView) -> torch.Tensor:
+        if not self.use_price:
+            return torch.zeros(0, dtype=torch.long)
+        price = self.price_per_token(view)
+        priced_out = torch.lt(self.value(), price, out=self._priced_out)  # g = R - lambda*sigma^2 - mu*c < 0
+        priced_out &= self.observed
+        priced_out &= view.live
+        priced_out &= ~view.protected
+        victims = priced_out.nonzero().squeeze(1)
+        self.priced_out_total += int(victims.numel())
+        return victims
+
+    def end_step(self, view: PoolView, demand_tokens: int) -> None:
+        if not self.use_price:
+            return
+        c = self.bytes_per_token
+        budget_bytes = self.budget_tokens * c
+        violation = (demand_tokens * c - budget_bytes) / budget_bytes
+        self.mu = self._clamp(self.mu * math.exp(self.params.learning_rate * violation))
+
+    def _clamp(self, mu: float) -> float:
+        c = self.bytes_per_token
+        return min(max(mu, self.params.min_price_per_token / c), self.params.max_price_per_token / c)
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "token_pd_mu": float(self.mu),
+            "token_pd_price_per_token": float(self.mu * self.bytes_per_token),
+        }
+
+
+class ReturnPredictor:
+    """The seed's return predictor: a one-hidden-layer MLP from a token's next-token logits to its return.
+
+    Trained online and self-supervised: when a token arrives, the logits its step produced are kept;
+    `horizon` steps later the attention mass it actually received (its R) is the regression target.
+    Features are log-probabilities (shift-invariant logits), clipped so rare tokens do not dominate.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int = 256,
+        horizon: int = 8,
+        learning_rate: float = 1e-3,
+        buffer_size: int = 4096,
+        seed: int = 0,
+    ) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.w1 = (
+            torch.randn(vocab_size, hidden, generator=generator) / math.sqrt(vocab_size)
+        ).requires_grad_()
+        self.b1 = torch.zeros(hidden, requires_grad=True)
+        self.w2 = (torch.randn(hidden, 1, generator=generator) / math.sqrt(hidden)).requires_grad_()
+        self.b2 = torch.full((1,), -4.0, requires_grad=True)  # start near small returns
+        self.optimizer = torch.optim.Adam([self.w1, self.b1, self.w2, self.b2], lr=learning_rate)
+        self.horizon = horizon
+        self.buffer_size = buffer_size
+        self._features: list[torch.Tensor] = []
+        self._slots: list[torch.Tensor] = []
+        self._births: list[torch.Tensor] = []
+        self._steps: list[int] = []
+        self.trained_examples = 0
+        self.last_loss = float("nan")
+
+    @staticmethod
+    def features(logits: torch.Tensor) -> torch.Tensor:
+        # clone(): logits come out of the forward's inference mode and cannot enter autograd as they are.
+        return torch.log_softmax(logits.float().clone(), dim=-1).clamp(min=-20.0) / 20.0
+
+    def _forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(torch.relu(features @ self.w1 + self.b1) @ self.w2 + self.b2).squeeze(-1)
+
+    def predict(self, logits: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._forward(self.features(logits))
+
+    def remember(self, slots: torch.Tensor, births: torch.Tensor, logits: torch.Tensor, step: int) -> None:
+        self._features.append(self.features(logits))
+        self._slots.append(slots.clone())
+        self._births.append(births.clone())
+        self._steps.append(step)
+        while sum(f.shape[0] for f in self._features) > self.buffer_size:
+            for store in (self._features, self._slots, self._births, self._steps):
+                store.pop(0)
+
+    def train_step(self, returns: torch.Tensor, live: torch.Tensor, birth: torch.Tensor, step: int) -> None:
+        """Fit the examples old enough to have a realised return; a slot reused since is dropped."""
+        ready = [i for i, at in enumerate(self._steps) if step - at >= self.horizon]
+        if not ready:
+            return
+        features = torch.cat([self._features[i] for i in ready])
+        slots = torch.cat([self._slots[i] for i in ready])
+        births = torch.cat([self._births[i] for i in ready])
+        for i in reversed(ready):
+            for store in (self._features, self._slots, self._births, self._steps):
+                store.pop(i)
+        valid = live[slots] & (birth[slots] == births)
+        if not bool(valid.any()):
+            return
+        target = returns[slots[valid]]
+        loss = torch.mean((self._forward(features[valid]) - target) ** 2)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.trained_examples += int(valid.sum())
+        self.last_loss = float(loss.detach())
+
+
+class TokenPDPredictorPolicy(TokenPDPolicy):
+    """Token-PD whose return blends the observed EWMA with the MLP's forecast from the token's logits.
+
+    The forecast matters most for young tokens (one noisy observation); its weight falls as the token
+    collects observations: R_hat = w * f(z) + (1 - w) * EWMA with w = 1 / (1 + observations).
+    """
+
+    name = "token-pd-mlp"
+
+    def __init__(self, params: TokenPDParams | None = None, predictor: ReturnPredictor | None = None) -> None:
+        super().__init__(params)
+        self.predictor = predictor
+
+    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
+        self.forecast = torch.zeros(num_slots, dtype=torch.float32)
+        self.has_forecast = torch.zeros(num_slots, dtype=torch.bool)
+        self.observations = torch.zeros(num_slots, dtype=torch.float32)
+
+    def on_insert(self, slots: torch.Tensor, step: int) -> None:
+        super().on_insert(slots, step)
+        self.has_forecast[slots] = False
+        self.observations[slots] = 0.0
+
+    def on_logits(self, view: PoolView, slots: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.predictor is None:
+            self.predictor = ReturnPredictor(logits.shape[-1])
+        self.forecast[slots] = self.predictor.predict(logits)
+        self.has_forecast[slots] = True
+        self.predictor.remember(slots, view.birth[slots], logits, view.step)
+
+    def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        super().observe(view, mass, stepped)
+        self.observations += stepped.float()
+        weight = torch.where(self.has_forecast, 1.0 / (1.0 + self.observations), 0.0)
+        self._value.mul_(1 - weight).add_(weight * self.forecast)
+        if self.predictor is not None:
+            self.predictor.train_step(self.ret, view.live, view.birth, view.step)
+
+    def gauges(self) -> dict[str, float]:
+        gauges = super().gauges()
+        if self.predictor is not None:
+            gauges["token_pd_predictor_loss"] = self.predictor.last_loss
+        return gauges
+
+
+class GlobalTopMPolicy(TokenPDPolicy):
+    """Ablation: Token-PD's value R - lambda*sigma^2, no price: only the exact cut-off at M evicts."""
+
+    name = "global-top-m"
+    use_price = False
+
+    def price_per_token(self, view: PoolView) -> float:
+        return 0.0
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+
+class PerRequestTokenPDPolicy(TokenPDPolicy):
+    """Ablation: Token-PD with a price per sequence against a per-sequence budget M / running sequences."""
+
+    name = "token-pd-per-request"
+
+    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
+        self.row_mu = torch.full((0,), self.mu, dtype=torch.float64)
+
+    def _ensure_rows(self, num_rows: int) -> None:
+        if self.row_mu.numel() < num_rows:
+            grown = torch.full(
+                (num_rows,), self.params.initial_price_per_token / self.bytes_per_token, dtype=torch.float64
+            )
+            grown[: self.row_mu.numel()] = self.row_mu
+            self.row_mu = grown
+
+    def price_per_token(self, view: PoolView) -> torch.Tensor:
+        self._ensure_rows(view.num_rows)
+        return (self.row_mu[view.owner.clamp(min=0)] * self.bytes_per_token).float()
+
+    def scores(self, view: PoolView) -> torch.Tensor:
+        return self.value() - self.price_per_token(view)  # prices differ by sequence, so they reorder tokens
+
+    def end_step(self, view: PoolView, demand_tokens: int) -> None:
+        self._ensure_rows(view.num_rows)
+        if view.running_rows.numel() == 0:
+            return
+        per_sequence_budget = max(1.0, self.budget_tokens / view.running_rows.numel())
+        held = torch.bincount(view.owner[view.live], minlength=view.num_rows).double()
+        violation = (held[view.running_rows] - per_sequence_budget) / per_sequence_budget
+        c = self.bytes_per_token
+        updated = self.row_mu[view.running_rows] * torch.exp(self.params.learning_rate * violation)
+        self.row_mu[view.running_rows] = updated.clamp(
+            self.params.min_price_per_token / c, self.params.max_price_per_token / c
+        )
+        self.mu = float(self.row_mu[view.running_rows].mean())
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "none": EvictionPolicy,
+    "fifo": FifoPolicy,
+    "lru": LruPolicy,
+    "h2o": H2OPolicy,
+    "token-pd": TokenPDPolicy,
+    "token-pd-mlp": TokenPDPredictorPolicy,
+    "global-top-m": GlobalTopMPolicy,
+    "token-pd-per-request": PerRequestTokenPDPolicy,
+}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(POLICIES)}") from None
