@@ -28,9 +28,9 @@ import httpx
 
 from bench.results import machine_description, write_section
 from tests.support.services import free_port, running_redis, wait_for_port
+from tests.support.site import PreparedSite, prepare_site, serving
 
 REPO = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
 LITELLM = REPO / "var" / "litellm-venv" / "bin" / "litellm"
 MODEL = "bench-model"
 CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
@@ -116,30 +116,13 @@ http {{
         yield f"http://127.0.0.1:{port}"
 
 
-def _manage(env: dict[str, str], *args: str, stdin: str | None = None) -> str:
-    result = subprocess.run(
-        [PYTHON, "manage.py", *args], cwd=REPO, env=env, input=stdin, capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
-    return result.stdout
-
-
-def prepare_site(workdir: Path, upstream: str) -> tuple[dict[str, str], str]:
-    """A fresh SQLite site with one pool on the upstream and one roomy dedicated entitlement; returns its key."""
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / 'bench.sqlite3'}", "LOG_LEVEL": "WARNING"}
-    env.pop("REDIS_URL", None)
-    _manage(env, "migrate", "--noinput")
-    _manage(env, "shell", "-c",
-            "from apps.tenancy.services import tenant_create, SYSTEM; tenant_create(actor=SYSTEM, name='Bench', slug='bench')")
-    manifest = workdir / "bench.yaml"
-    manifest.write_text(f"""
+MANIFEST = f"""
 apiVersion: tokenpools.io/v1alpha1
 kind: TokenPool
 metadata: {{name: {MODEL}}}
 spec:
   model: {MODEL}
-  backend: {{kind: vllm, replicas: [{{url: "{upstream}"}}]}}
+  backend: {{kind: vllm, replicas: [{{url: "UPSTREAM"}}]}}
   scaling: {{minReplicas: 1, maxReplicas: 1}}
   capacityPerReplica: {{slots: 100000, tokensPerSecond: 1000000000, kvCacheGiB: 100000}}
   kvGeometry: {{layers: 4, kvHeads: 2, headDim: 64, bytesPerElement: 2}}
@@ -152,19 +135,14 @@ spec:
   poolRef: {{name: {MODEL}}}
   qos: {{serviceClass: dedicated, sloTargetMs: 1000}}
   resources: {{tokensPerSecond: 100000000, kvCacheGiB: 1000, concurrency: 50000}}
-""")
-    _manage(env, "apply", "-f", str(manifest))
-    key = _manage(env, "create_key", "--entitlement", "bench").strip()
-    return env, key
+"""
 
 
-@contextlib.contextmanager
-def tokenpools_gateway(env: dict[str, str], workdir: Path, label: str) -> Iterator[str]:
-    port = free_port()
-    cmd = _pinned(SERVER_CORE, [PYTHON, "manage.py", "serve", "--port", str(port), "--log-level", "warning"])
-    with _process(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, log=workdir / f"gateway-{label}.log") as proc:
-        wait_for_port(port, timeout_s=60, proc=proc)
-        yield f"http://127.0.0.1:{port}"
+def prepare_bench_site(workdir: Path, upstream: str) -> PreparedSite:
+    """A fresh site with one pool on the upstream and one roomy dedicated entitlement (never the limit)."""
+    env = {"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"}
+    return prepare_site(workdir, tenants=["bench"], manifest=MANIFEST.replace("UPSTREAM", upstream),
+                        key_for=["bench"], env=env)
 
 
 @contextlib.contextmanager
@@ -310,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         with nginx_upstream(workdir) as upstream:
             print(f"upstream {upstream}", file=sys.stderr)
             rows += measure("direct", upstream, "unused", args, workdir)
-            env, key = prepare_site(workdir, upstream)
-            with tokenpools_gateway({**env, "GATEWAY_STATE_BACKEND": "memory"}, workdir, "memory") as url:
+            site = prepare_bench_site(workdir, upstream)
+            key = site.keys["bench"]
+            with serving(site, log_name="gateway-memory.log", cpu_core=SERVER_CORE) as (url, _):
                 rows += measure("tokenpools (memory)", url, key, args, workdir)
-            with running_redis() as redis_url, tokenpools_gateway({**env, "REDIS_URL": redis_url}, workdir, "redis") as url:
+            with running_redis() as redis_url, serving(
+                site, env={"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis"},
+                log_name="gateway-redis.log", cpu_core=SERVER_CORE,
+            ) as (url, _):
                 rows += measure("tokenpools (redis)", url, key, args, workdir)
             if not args.no_litellm:
                 with litellm_proxy(upstream, workdir) as url:

@@ -1,4 +1,4 @@
-"""REST API routes under /api/v1/ (tenants, users, memberships, pools, entitlements, keys, apply, export)."""
+"""REST API routes under /api/v1/ (tenants, users, memberships, pools, entitlements, keys, usage, apply, export)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from django.urls import path
 from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
+from apps.gateway.api import UsageRecordViewSet
 from apps.pools.api import ApplyView, EntitlementViewSet, ExportView, PoolViewSet
 from apps.tenancy.api import ApiKeyViewSet, MembershipViewSet, TenantViewSet, UserViewSet
 
@@ -16,6 +17,7 @@ router.register("memberships", MembershipViewSet, basename="membership")
 router.register("pools", PoolViewSet, basename="pool")
 router.register("entitlements", EntitlementViewSet, basename="entitlement")
 router.register("keys", ApiKeyViewSet, basename="apikey")
+router.register("usage", UsageRecordViewSet, basename="usage")
 
 urlpatterns = [
     path("apply", ApplyView.as_view(), name="apply"),

@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels."""
+"""ASGI entry point: `/v1/*` and `/metrics` to the gateway's raw ASGI app, other HTTP through Django,
+websockets through Channels."""
 
 from __future__ import annotations
 
@@ -23,9 +24,16 @@ def _websocket_routes() -> list:
     return list(websocket_urlpatterns)
 
 
-application = ProtocolTypeRouter(
+site_application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(_websocket_routes()))),
     }
 )
+
+from apps.gateway.asgi import dispatch  # noqa: E402  (needs the app registry ready)
+from workers.ticks import with_in_process_ticks  # noqa: E402
+
+# The gateway path skips Django's request handling entirely (ARCHITECTURE.md: no ORM per request).
+# The lifespan starts the periodic ticks inside the server when no Celery broker is configured.
+application = with_in_process_ticks(dispatch(site_application))

@@ -6,6 +6,7 @@ tenant, anyone else only the tenants they belong to.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ ATTENTION_LIMIT = 10
 
 @dataclass(frozen=True)
 class HomeOverview:
-    tenant_rows: list[tuple[Tenant, str]]
+    tenant_rows: Sequence[tuple[Tenant, str]]
     entitlements_by_state: dict[str, int]
     needs_attention: list[TokenEntitlement]
     pool_count: int
@@ -122,3 +123,46 @@ def pool_page(*, user: Any, pool: TokenPool) -> PoolPage:
 
 def pool_rows(*, user: Any) -> list[tuple[TokenPool, PoolUsage]]:
     return [(pool, pool_selectors.pool_usage(user=user, pool=pool)) for pool in pool_selectors.pool_list(user=user)]
+
+
+# --- live dashboards ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveAccess:
+    """What a viewer of a live page may see: the pool whose samples feed it, the entitlements whose
+    series are drawn (None: all of them, operators) and the figures shown."""
+
+    pool: str
+    visibility: Any  # apps.dashboard.telemetry.Visibility (kept out of this module's imports: no cycle)
+    figure_ids: tuple[str, ...]
+    title: str
+
+
+def live_pool_access(*, user: Any, name: str) -> LiveAccess:
+    """A pool's live page: operators see every entitlement and the pool totals; a tenant user only the
+    entitlements of their tenants on this pool (pools themselves are readable by every signed-in user).
+    Raises ``Http404`` for an unknown pool."""
+    from apps.dashboard.figures import figure_ids
+    from apps.dashboard.telemetry import Visibility
+
+    pool = pool_selectors.pool_get(user=user, name=name)
+    if user.is_superuser:
+        visibility = Visibility(entitlements=None, pool_totals=True)
+    else:
+        names = pool_selectors.entitlement_list(user=user, pool=pool).values_list("name", flat=True)
+        visibility = Visibility(entitlements=frozenset(names), pool_totals=False)
+    return LiveAccess(pool.name, visibility, tuple(figure_ids(pool_totals=visibility.pool_totals)),
+                      f"Pool {pool.name}")
+
+
+def live_entitlement_access(*, user: Any, name: str) -> LiveAccess:
+    """An entitlement's live page: its own series only (pool totals for operators). ``Http404`` for an
+    entitlement outside the user's tenants."""
+    from apps.dashboard.figures import figure_ids
+    from apps.dashboard.telemetry import Visibility
+
+    entitlement = pool_selectors.entitlement_get(user=user, name=name)
+    visibility = Visibility(entitlements=frozenset({entitlement.name}), pool_totals=bool(user.is_superuser))
+    ids = tuple(i for i in figure_ids(pool_totals=visibility.pool_totals) if i != "kv")
+    return LiveAccess(entitlement.pool.name, visibility, ids, f"Entitlement {entitlement.name}")

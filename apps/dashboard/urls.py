@@ -12,6 +12,7 @@ urlpatterns = [
     path("entitlements/", views.entitlement_list, name="entitlement-list"),
     path("entitlements/new/", views.entitlement_create, name="entitlement-create"),
     path("entitlements/<str:name>/", views.entitlement_detail, name="entitlement-detail"),
+    path("entitlements/<str:name>/live/", views.entitlement_live, name="entitlement-live"),
     path("entitlements/<str:name>/edit/", views.entitlement_edit, name="entitlement-edit"),
     path("entitlements/<str:name>/revoke/", views.entitlement_delete, name="entitlement-delete"),
     path("keys/", views.key_list, name="key-list"),
@@ -20,6 +21,7 @@ urlpatterns = [
     path("pools/", views.pool_list, name="pool-list"),
     path("pools/new/", views.pool_create, name="pool-create"),
     path("pools/<str:name>/", views.pool_detail, name="pool-detail"),
+    path("pools/<str:name>/live/", views.pool_live, name="pool-live"),
     path("pools/<str:name>/edit/", views.pool_edit, name="pool-edit"),
     path("pools/<str:name>/delete/", views.pool_delete, name="pool-delete"),
     path("pools/<str:name>/replicas/<int:replica_id>/toggle/", views.replica_toggle, name="replica-toggle"),
@@ -32,5 +34,6 @@ urlpatterns = [
     path("tenants/<str:slug>/members/<int:membership_id>/remove/", views.membership_remove, name="membership-remove"),
     # The site runs under uvicorn (ASGI), where Django serves no static files by itself; the UI's own CSS comes
     # through here. Under runserver/live_server the static handler answers first and this route is not reached.
+    path("vendor/plotly.min.js", views.plotly_js, name="plotly-js"),
     path("static/<path:path>", views.static_asset, name="static"),
 ]

@@ -10,6 +10,7 @@ form carries the CSRF token, and every state-changing action is POST-only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from django.contrib import messages
@@ -19,6 +20,7 @@ from django.contrib.staticfiles.views import serve as staticfiles_serve
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
@@ -452,3 +454,57 @@ def membership_remove(request: AuthenticatedRequest, slug: str, membership_id: i
     tenancy_services.membership_remove(actor=request.user, membership=membership)
     messages.success(request, f"{membership.user.get_username()} removed from {tenant.slug}.")
     return redirect("ui:tenant-detail", slug=tenant.slug)
+
+
+# --- live dashboards -----------------------------------------------------------------------------------
+
+
+def _live_page(request: AuthenticatedRequest, access: page_selectors.LiveAccess, ws_path: str,
+               back_url: str) -> HttpResponse:
+    return render(
+        request,
+        "dashboard/live.html",
+        {"access": access, "ws_path": ws_path, "figure_ids": access.figure_ids, "back_url": back_url,
+         "pool_totals": access.visibility.pool_totals},
+    )
+
+
+@login_required
+@require_GET
+def pool_live(request: AuthenticatedRequest, name: str) -> HttpResponse:
+    access = page_selectors.live_pool_access(user=request.user, name=name)
+    return _live_page(request, access, f"/ws/pools/{access.pool}/", reverse("ui:pool-detail", args=[access.pool]))
+
+
+@login_required
+@require_GET
+def entitlement_live(request: AuthenticatedRequest, name: str) -> HttpResponse:
+    access = page_selectors.live_entitlement_access(user=request.user, name=name)
+    return _live_page(request, access, f"/ws/entitlements/{name}/", reverse("ui:entitlement-detail", args=[name]))
+
+
+_PLOTLY_JS: tuple[bytes, str] | None = None
+
+
+def _plotly_js() -> tuple[bytes, str]:
+    """plotly.js as shipped inside the installed plotly package (no CDN), read once per process."""
+    global _PLOTLY_JS
+    if _PLOTLY_JS is None:
+        import plotly
+
+        body = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+        _PLOTLY_JS = (body, f'"plotly-{plotly.__version__}-{len(body)}"')
+    return _PLOTLY_JS
+
+
+@require_GET
+def plotly_js(request: HttpRequest) -> HttpResponse:
+    """No login (a script, like the CSS); cacheable for a day and revalidated by ETag (the package version)."""
+    body, etag = _plotly_js()
+    if etag in request.headers.get("If-None-Match", ""):
+        response = HttpResponse(status=304)
+    else:
+        response = HttpResponse(body, content_type="text/javascript; charset=utf-8")
+    response["ETag"] = etag
+    response["Cache-Control"] = "public, max-age=86400"
+    return response

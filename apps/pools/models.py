@@ -88,6 +88,16 @@ class TokenPool(models.Model):
     bytes_per_element = models.PositiveIntegerField(default=2, validators=[MinValueValidator(1)])
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     updated_at = models.DateTimeField(default=timezone.now)
+    # Written by the control loops (workers/), never by people: the scrape measures what one replica's
+    # KV cache really holds (vLLM's cache_config_info), the autoscaling tick stores the replica count
+    # the entitlements and the observed demand call for. Both are written with QuerySet.update(), which
+    # leaves updated_at alone, so a tick does not make every gateway reload its snapshot.
+    measured_kv_cache_tokens_per_replica = models.PositiveBigIntegerField(null=True, blank=True)
+    measured_kv_cache_bytes_per_replica = models.PositiveBigIntegerField(null=True, blank=True)
+    measured_at = models.DateTimeField(null=True, blank=True)
+    desired_replicas = models.PositiveIntegerField(null=True, blank=True)
+    desired_replicas_reason = models.CharField(max_length=300, blank=True, default="")
+    desired_replicas_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -129,6 +139,15 @@ class Replica(models.Model):
     url = models.CharField(max_length=500, validators=[URLValidator(schemes=["http", "https"])])
     enabled = models.BooleanField(default=True)
     position = models.PositiveIntegerField(default=0)
+    # The last scrape of the replica's /metrics (workers' scrape tick); null until the first one.
+    healthy = models.BooleanField(null=True, blank=True)
+    scrape_error = models.CharField(max_length=300, blank=True, default="")
+    scraped_at = models.DateTimeField(null=True, blank=True)
+    num_requests_running = models.PositiveIntegerField(null=True, blank=True)
+    num_requests_waiting = models.PositiveIntegerField(null=True, blank=True)
+    kv_cache_usage = models.FloatField(null=True, blank=True)
+    kv_cache_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    kv_cache_bytes = models.PositiveBigIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["pool", "position", "id"]

@@ -16,6 +16,7 @@ from django.db.models import Prefetch, Q, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
+from apps.policy import InstanceSnapshot
 from apps.pools.models import (
     Capacity,
     EntitlementState,
@@ -124,3 +125,20 @@ def entitlement_state_changes(*, user: AnyUser, entitlement: TokenEntitlement) -
     return EntitlementStateChange.objects.filter(
         entitlement=entitlement, entitlement__tenant__in=tenant_list(user=user)
     ).order_by("at", "id")
+
+
+def pool_instance_snapshots(*, pool: TokenPool) -> list[InstanceSnapshot]:
+    """The last scrape of each enabled, healthy replica as the policy's saturation input.
+
+    System-wide (no user): the gateway and the control loops read it off the request path.
+    ``updated_at`` is the scrape's epoch time, so callers judge staleness on the wall clock.
+    """
+    return [
+        InstanceSnapshot(
+            queue_depth=float(r.num_requests_waiting or 0),
+            kv_utilization=float(r.kv_cache_usage or 0.0),
+            updated_at=r.scraped_at.timestamp() if r.scraped_at else None,
+            batch_size=float(r.num_requests_running or 0),
+        )
+        for r in pool.replicas.filter(enabled=True, healthy=True).order_by("position", "id")
+    ]

@@ -29,6 +29,15 @@ class ReplicaSerializer(serializers.Serializer):
     id = serializers.IntegerField(read_only=True)
     url = serializers.CharField(max_length=500)
     enabled = serializers.BooleanField(default=True)
+    # The last scrape of the replica's /metrics (null until the scrape tick has seen it).
+    healthy = serializers.BooleanField(read_only=True, allow_null=True)
+    scrape_error = serializers.CharField(read_only=True)
+    scraped_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    num_requests_running = serializers.IntegerField(read_only=True, allow_null=True)
+    num_requests_waiting = serializers.IntegerField(read_only=True, allow_null=True)
+    kv_cache_usage = serializers.FloatField(read_only=True, allow_null=True)
+    kv_cache_tokens = serializers.IntegerField(read_only=True, allow_null=True)
+    kv_cache_bytes = serializers.IntegerField(read_only=True, allow_null=True)
 
 
 class CapacitySerializer(serializers.Serializer):
@@ -47,6 +56,13 @@ class PoolSerializer(serializers.ModelSerializer):
     bytes_per_token = serializers.IntegerField(read_only=True, help_text="c = 2 * layers * kv_heads * head_dim * bytes")
     kv_cache_bytes_per_replica = serializers.IntegerField(read_only=True)
     usage = serializers.SerializerMethodField()
+    measured_capacity = serializers.SerializerMethodField(
+        help_text="per-replica KV size measured by the scrape (vllm:cache_config_info); null until scraped"
+    )
+    desired_replicas = serializers.IntegerField(
+        read_only=True, allow_null=True,
+        help_text="autoscaling signal: replicas the entitled baselines and observed demand call for",
+    )
 
     class Meta:
         model = TokenPool
@@ -54,9 +70,10 @@ class PoolSerializer(serializers.ModelSerializer):
             "name", "model_name", "backend_kind", "replicas", "min_replicas", "max_replicas",
             "slots_per_replica", "tokens_per_second_per_replica", "kv_cache_gib_per_replica",
             "kv_cache_bytes_per_replica", "kv_layers", "kv_heads", "head_dim", "bytes_per_element",
-            "bytes_per_token", "usage", "created_at", "updated_at",
+            "bytes_per_token", "usage", "measured_capacity", "desired_replicas", "desired_replicas_reason",
+            "desired_replicas_at", "created_at", "updated_at",
         ]
-        read_only_fields = ["created_at", "updated_at"]
+        read_only_fields = ["created_at", "updated_at", "desired_replicas_reason", "desired_replicas_at"]
         # Types only here; ranges, uniqueness and cross-field rules are the service's (one source of truth).
         extra_kwargs = {
             "name": {"validators": []},
@@ -74,6 +91,15 @@ class PoolSerializer(serializers.ModelSerializer):
             "reserved": _capacity_dict(usage.reserved),
             "free": _capacity_dict(usage.free),
             "entitlements_by_state": usage.entitlements_by_state,
+        }
+
+    def get_measured_capacity(self, pool: TokenPool) -> dict[str, Any] | None:
+        if pool.measured_at is None:
+            return None
+        return {
+            "kv_cache_tokens_per_replica": pool.measured_kv_cache_tokens_per_replica,
+            "kv_cache_bytes_per_replica": pool.measured_kv_cache_bytes_per_replica,
+            "measured_at": serializers.DateTimeField().to_representation(pool.measured_at),
         }
 
 

@@ -31,5 +31,5 @@ class Command(BaseCommand):
             port=port,
             workers=options["workers"],
             log_level=options["log_level"],
-            lifespan="off",
+            lifespan="on",
         )

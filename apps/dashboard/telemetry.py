@@ -1,0 +1,692 @@
+"""Live telemetry for the dashboards: one `PoolSample` per pool per second, a 15-minute history, and
+the publication of each sample to the pool's channel group.
+
+- `PoolSample` / `EntitlementPoint` are frozen, JSON-round-trippable snapshots; the figure builders
+  (apps.dashboard.figures) are pure functions of them.
+- `HistoryStore` has two implementations behind one interface (convention 5): an in-process ring
+  buffer (embedded) and a capped Redis list per pool (`RPUSH` + `LTRIM`), chosen by `REDIS_URL`.
+- `collect_pool_sample` is the only code that reads the gateway's internals (its state store,
+  scheduler, metrics): when the gateway's API moves, only that function changes.
+- `telemetry_sample_pool` builds one sample, stores it and sends it to the group;
+  `publish_tick` is the 1 s periodic job (workers/ticks.py registry).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+HISTORY_SECONDS = 15 * 60
+SAMPLE_PERIOD_S = 1.0
+HISTORY_LENGTH = int(HISTORY_SECONDS / SAMPLE_PERIOD_S)
+# p99 TTFT over the last ten samples (~10 s): short enough to show a breach, long enough to have points.
+TTFT_WINDOW_SAMPLES = 10
+# Two publishers (the ticker and the page-driven sampler) may run in one process: closer calls than this
+# are dropped so that the history keeps one point per second.
+MIN_PUBLISH_INTERVAL_S = 0.5
+GROUP_EVENT = "pool.sample"
+
+
+# --- snapshots -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EntitlementPoint:
+    """One entitlement at one instant; counts (`admitted`, `denied`) are since the previous sample."""
+
+    name: str
+    tenant: str = ""
+    service_class: str = ""
+    in_flight: int = 0
+    queued: int = 0
+    p99_ttft_s: float | None = None
+    slo_ms: float = 0.0
+    debt: float = 0.0
+    priority: float | None = None
+    admitted: int = 0
+    denied: Mapping[str, int] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    baseline_tokens_per_s: float = 0.0
+    kv_bytes: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "tenant": self.tenant,
+            "service_class": self.service_class,
+            "in_flight": self.in_flight,
+            "queued": self.queued,
+            "p99_ttft_s": self.p99_ttft_s,
+            "slo_ms": self.slo_ms,
+            "debt": self.debt,
+            "priority": self.priority,
+            "admitted": self.admitted,
+            "denied": dict(self.denied),
+            "tokens_per_s": self.tokens_per_s,
+            "baseline_tokens_per_s": self.baseline_tokens_per_s,
+            "kv_bytes": self.kv_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EntitlementPoint:
+        return cls(
+            name=str(data["name"]),
+            tenant=str(data.get("tenant", "")),
+            service_class=str(data.get("service_class", "")),
+            in_flight=int(data.get("in_flight", 0)),
+            queued=int(data.get("queued", 0)),
+            p99_ttft_s=_opt_float(data.get("p99_ttft_s")),
+            slo_ms=float(data.get("slo_ms", 0.0)),
+            debt=float(data.get("debt", 0.0)),
+            priority=_opt_float(data.get("priority")),
+            admitted=int(data.get("admitted", 0)),
+            denied={str(k): int(v) for k, v in (data.get("denied") or {}).items()},
+            tokens_per_s=float(data.get("tokens_per_s", 0.0)),
+            baseline_tokens_per_s=float(data.get("baseline_tokens_per_s", 0.0)),
+            kv_bytes=float(data.get("kv_bytes", 0.0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSample:
+    """A pool at one instant (`time` in epoch seconds). Pool totals are None once filtered for a tenant user."""
+
+    time: float
+    pool: str
+    slots: int = 0
+    budget: int = 0
+    aimd_action: int = 0  # +1 the budget grew since the previous sample, -1 it shrank, 0 held
+    running: int | None = None
+    queued: int | None = None
+    p99_ttft_s: float | None = None
+    kv_usage: Mapping[str, float] = field(default_factory=dict)  # replica -> fraction of its KV cache in use
+    kv_admitted: float | None = None  # KV bytes the gateway reserved over the pool's KV capacity
+    entitlements: tuple[EntitlementPoint, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "pool": self.pool,
+            "slots": self.slots,
+            "budget": self.budget,
+            "aimd_action": self.aimd_action,
+            "running": self.running,
+            "queued": self.queued,
+            "p99_ttft_s": self.p99_ttft_s,
+            "kv_usage": dict(self.kv_usage),
+            "kv_admitted": self.kv_admitted,
+            "entitlements": [e.to_dict() for e in self.entitlements],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PoolSample:
+        return cls(
+            time=float(data["time"]),
+            pool=str(data["pool"]),
+            slots=int(data.get("slots", 0)),
+            budget=int(data.get("budget", 0)),
+            aimd_action=int(data.get("aimd_action", 0)),
+            running=_opt_int(data.get("running")),
+            queued=_opt_int(data.get("queued")),
+            p99_ttft_s=_opt_float(data.get("p99_ttft_s")),
+            kv_usage={str(k): float(v) for k, v in (data.get("kv_usage") or {}).items()},
+            kv_admitted=_opt_float(data.get("kv_admitted")),
+            entitlements=tuple(EntitlementPoint.from_dict(e) for e in data.get("entitlements") or ()),
+        )
+
+
+def _opt_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Visibility:
+    """What one viewer may see: `entitlements` None means every entitlement (operators);
+    `pool_totals` adds the aggregates that mix every tenant's load (running, queued, KV usage)."""
+
+    entitlements: frozenset[str] | None = None
+    pool_totals: bool = True
+
+    def allows(self, entitlement: str) -> bool:
+        return self.entitlements is None or entitlement in self.entitlements
+
+
+OPERATOR = Visibility()
+
+
+def sample_visible(sample: PoolSample, visibility: Visibility) -> PoolSample:
+    """The sample cut down to what the viewer may see (applied before any figure is built)."""
+    kept = tuple(e for e in sample.entitlements if visibility.allows(e.name))
+    if visibility.pool_totals:
+        return sample if len(kept) == len(sample.entitlements) else replace(sample, entitlements=kept)
+    return replace(sample, entitlements=kept, running=None, queued=None, kv_usage={}, kv_admitted=None)
+
+
+def samples_visible(samples: Iterable[PoolSample], visibility: Visibility) -> list[PoolSample]:
+    return [sample_visible(s, visibility) for s in samples]
+
+
+# --- history -------------------------------------------------------------------------------------
+
+
+class HistoryStore(ABC):
+    """The last `HISTORY_SECONDS` of samples per pool (so a page opened now shows the recent past)."""
+
+    def __init__(self, *, length: int = HISTORY_LENGTH, seconds: float = HISTORY_SECONDS) -> None:
+        self.length = length
+        self.seconds = seconds
+
+    @abstractmethod
+    async def append(self, sample: PoolSample) -> None: ...
+
+    @abstractmethod
+    async def _all(self, pool: str) -> list[PoolSample]: ...
+
+    async def recent(self, pool: str, *, now: float | None = None) -> list[PoolSample]:
+        """Samples of the last `seconds`, oldest first (a paused sampler leaves no stale points)."""
+        samples = await self._all(pool)
+        cutoff = (time.time() if now is None else now) - self.seconds
+        return [s for s in samples if s.time >= cutoff]
+
+    async def clear(self) -> None:  # noqa: B027 - optional hook (tests)
+        pass
+
+
+class MemoryHistory(HistoryStore):
+    """A ring buffer per pool. Appended from the server's loop, read from consumers: a lock keeps the
+    deque consistent should a tick thread append directly."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._pools: dict[str, deque[PoolSample]] = {}
+        self._lock = threading.Lock()
+
+    async def append(self, sample: PoolSample) -> None:
+        with self._lock:
+            ring = self._pools.get(sample.pool)
+            if ring is None:
+                ring = self._pools[sample.pool] = deque(maxlen=self.length)
+            ring.append(sample)
+
+    async def _all(self, pool: str) -> list[PoolSample]:
+        with self._lock:
+            return list(self._pools.get(pool, ()))
+
+    async def clear(self) -> None:
+        with self._lock:
+            self._pools.clear()
+
+
+class RedisHistory(HistoryStore):
+    """A capped list per pool: `RPUSH` then `LTRIM` to the last `length` samples, in one pipeline, so
+    every server process appends to and reads the same history."""
+
+    PREFIX = "tokenpools:dashboard:history:"
+
+    def __init__(self, *, url: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.url = url
+
+    def _client(self) -> Any:
+        import redis.asyncio as aioredis
+
+        # A client per call: callers come from different event loops (server, ticks via asyncio.run), and an
+        # asyncio connection pool is tied to the loop that created it. At 1 Hz the connect is negligible.
+        return aioredis.from_url(self.url)
+
+    def key(self, pool: str) -> str:
+        return self.PREFIX + pool
+
+    async def append(self, sample: PoolSample) -> None:
+        client = self._client()
+        try:
+            key = self.key(sample.pool)
+            pipe = client.pipeline(transaction=True)
+            pipe.rpush(key, json.dumps(sample.to_dict(), separators=(",", ":")))
+            pipe.ltrim(key, -self.length, -1)
+            # A pool nobody samples any more leaves nothing behind.
+            pipe.expire(key, int(self.seconds) * 2)
+            await pipe.execute()
+        finally:
+            await client.aclose()
+
+    async def _all(self, pool: str) -> list[PoolSample]:
+        client = self._client()
+        try:
+            raw = await client.lrange(self.key(pool), 0, -1)
+        finally:
+            await client.aclose()
+        samples: list[PoolSample] = []
+        for item in raw:
+            try:
+                samples.append(PoolSample.from_dict(json.loads(item)))
+            except (ValueError, KeyError, TypeError):
+                logger.warning("dropping a malformed history entry of pool %s", pool)
+        return samples
+
+    async def clear(self) -> None:
+        client = self._client()
+        try:
+            keys = [k async for k in client.scan_iter(match=self.PREFIX + "*")]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+
+_history: HistoryStore | None = None
+_history_guard = threading.Lock()
+
+
+def history_store() -> HistoryStore:
+    """The process-wide history: Redis when `REDIS_URL` is set (shared by every process), else in memory."""
+    global _history
+    with _history_guard:
+        if _history is None:
+            from django.conf import settings
+
+            url = getattr(settings, "REDIS_URL", "")
+            _history = RedisHistory(url=url) if url else MemoryHistory()
+        return _history
+
+
+def reset_history_store(store: HistoryStore | None = None) -> None:
+    """Replace the process-wide history (tests; a settings change)."""
+    global _history
+    with _history_guard:
+        _history = store
+
+
+# --- groups --------------------------------------------------------------------------------------
+
+_GROUP_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def pool_group(pool: str) -> str:
+    """The channel group of a pool's samples (Channels allows only ASCII letters, digits, `-_.`)."""
+    safe = _GROUP_UNSAFE.sub("_", pool)
+    if safe != pool:
+        # Two names differing only in unsafe characters must not share a group.
+        safe = f"{safe[:60]}.{abs(hash(pool)) % 10**8}"
+    return f"dashboard.pool.{safe}"[:99]
+
+
+# --- collection from the gateway (the adapter) ----------------------------------------------------
+
+
+@dataclass
+class CollectorState:
+    """What a sample needs from the previous ones: cumulative counters become per-sample counts and
+    rates, bucket counts become a windowed p99, the budget becomes an AIMD action."""
+
+    time: dict[str, float] = field(default_factory=dict)
+    budget: dict[str, int] = field(default_factory=dict)
+    admitted: dict[str, float] = field(default_factory=dict)
+    denied: dict[tuple[str, str], float] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)
+    ttft: dict[tuple[str, ...], deque[list[float]]] = field(default_factory=dict)
+
+
+def _delta(previous: dict[Any, float], key: Any, current: float, *, first: bool) -> float:
+    """Growth of a cumulative counter since the previous sample. On a pool's first sample the counters
+    only set the baseline (what happened before is not this second's); afterwards a key not seen yet
+    started from zero, and a counter that went down restarted (a new gateway)."""
+    before = previous.get(key)
+    previous[key] = current
+    if first:
+        return 0.0
+    if before is None or current < before:
+        return current
+    return current - before
+
+
+def windowed_p99(
+    state: CollectorState, labels: tuple[str, ...], bounds: Sequence[float], counts: Sequence[float] | None,
+    *, window: int = TTFT_WINDOW_SAMPLES,
+) -> float | None:
+    """p99 over the last `window` samples from a cumulative bucket histogram (non-cumulative buckets,
+    +Inf last). Keeps one copy of the counts per sample; None without observations in the window."""
+    from apps.policy.aimd import histogram_quantile
+
+    history = state.ttft.get(labels)
+    if history is None:
+        history = state.ttft[labels] = deque(maxlen=window + 1)
+    current = [float(c) for c in counts] if counts is not None else [0.0] * (len(bounds) + 1)
+    history.append(current)
+    oldest = history[0] if len(history) > 1 else [0.0] * len(current)
+    recent = [max(0, round(a - b)) for a, b in zip(current, oldest, strict=False)]
+    return histogram_quantile(0.99, bounds, recent)
+
+
+async def collect_pool_sample(
+    *,
+    gateway: Any,
+    pool: Any,
+    entries: Sequence[Any],
+    kv_usage: Mapping[str, float],
+    state: CollectorState,
+    now: float,
+    store: Any = None,
+) -> PoolSample:
+    """Build one sample of `pool` (an `apps.gateway.snapshot.PoolInfo`) from the gateway of this process.
+
+    `entries` are the pool's `KeyEntry`s (one or more per entitlement: limits, tenant); `kv_usage` the
+    replicas' last scraped KV usage. Reads: the state store (in-flight, KV bytes, debt, burst: shared
+    across processes with Redis), the pool scheduler (budget, DRR queues), the metrics (admitted and
+    rejected counters, tokens, TTFT histogram). The only function that knows those internals.
+    """
+    from apps.policy import priority_weight
+
+    name = pool.name
+    scheduler = getattr(gateway, "schedulers", {}).get(name)
+    metrics = getattr(gateway, "metrics", None)
+    store = store if store is not None else getattr(gateway, "store", None)
+    first = name not in state.time
+    elapsed = 0.0 if first else now - state.time[name]
+    state.time[name] = now
+
+    budget = int(scheduler.budget) if scheduler is not None else int(pool.concurrency_capacity)
+    before = state.budget.get(name)
+    state.budget[name] = budget
+    action = 0 if before is None or before == budget else (1 if budget > before else -1)
+
+    # p99 TTFT from the gateway's histogram: the pool's over every series labelled with it; an entitlement's
+    # once the gateway labels the histogram by entitlement too (until then: None, no invented point).
+    ttft_names: tuple[str, ...] = tuple(metrics.ttft.label_names) if metrics is not None else ()
+    bounds = tuple(metrics.ttft.buckets) if metrics is not None else ()
+
+    def ttft_counts(**match: str) -> list[float] | None:
+        if metrics is None or not set(match) <= set(ttft_names):
+            return None
+        positions = [(ttft_names.index(label), value) for label, value in match.items()]
+        total: list[float] | None = None
+        for labels, series in list(metrics.ttft.series.items()):
+            if all(labels[i] == value for i, value in positions):
+                counts = series[: len(bounds) + 1]
+                total = list(counts) if total is None else [a + b for a, b in zip(total, counts, strict=True)]
+        return total
+
+    pool_p99 = windowed_p99(state, ("pool", name), bounds, ttft_counts(pool=name)) if "pool" in ttft_names else None
+
+    limits_by_name: dict[str, Any] = {}
+    tenant_by_name: dict[str, str] = {}
+    for entry in entries:
+        limits_by_name.setdefault(entry.entitlement, entry.limits)
+        tenant_by_name.setdefault(entry.entitlement, entry.tenant_slug)
+
+    points: list[EntitlementPoint] = []
+    kv_total = 0.0
+    for ent_name in sorted(limits_by_name):
+        limits = limits_by_name[ent_name]
+        service_class = str(getattr(limits.service_class, "value", limits.service_class))
+        in_flight, kv_bytes, debt, burst = 0, 0.0, 0.0, 0.0
+        if store is not None:
+            try:
+                usage = await store.entitlement_usage(limits=limits)
+                in_flight, kv_bytes, debt, burst = usage.in_flight, usage.kv_bytes_in_flight, usage.debt, usage.burst
+            except Exception:  # an unreachable Redis: a sample with zeros beats no sample
+                logger.warning("telemetry: state store unreachable for %s", ent_name, exc_info=True)
+        kv_total += kv_bytes
+        queued = scheduler.scheduler.queued_for(ent_name) if scheduler is not None else 0
+        admitted, served = 0.0, 0.0
+        denied: dict[str, int] = {}
+        if metrics is not None:
+            admitted = _delta(state.admitted, ent_name, metrics.admitted.get((ent_name, service_class)),
+                              first=first)
+            for (ent, _cls, reason), value in list(metrics.rejected.values.items()):
+                if ent == ent_name:
+                    count = _delta(state.denied, (ent, reason), value, first=first)
+                    if count:
+                        denied[reason] = denied.get(reason, 0) + int(count)
+            tokens = metrics.tokens.get((ent_name, "prompt")) + metrics.tokens.get((ent_name, "completion"))
+            served = _delta(state.tokens, ent_name, tokens, first=first)
+        p99 = None
+        if "entitlement" in ttft_names:
+            p99 = windowed_p99(state, ("entitlement", ent_name), bounds, ttft_counts(entitlement=ent_name))
+        try:
+            priority: float | None = priority_weight(service_class, limits.slo_target_ms, pool.mean_slo_ms,
+                                                     max(0.0, burst), debt)
+        except Exception:  # a class or SLO the formula refuses: no point rather than a broken sample
+            priority = None
+        points.append(EntitlementPoint(
+            name=ent_name,
+            tenant=tenant_by_name.get(ent_name, ""),
+            service_class=service_class,
+            in_flight=int(in_flight),
+            queued=int(queued),
+            p99_ttft_s=p99,
+            slo_ms=float(limits.slo_target_ms),
+            debt=float(debt),
+            priority=priority,
+            admitted=int(admitted),
+            denied=denied,
+            tokens_per_s=served / elapsed if elapsed > 0 else 0.0,
+            baseline_tokens_per_s=float(limits.tokens_per_second or 0.0),
+            kv_bytes=float(kv_bytes),
+        ))
+
+    kv_capacity = float(pool.kv_capacity or 0.0)
+    return PoolSample(
+        time=now,
+        pool=name,
+        slots=int(pool.concurrency_capacity),
+        budget=budget,
+        aimd_action=action,
+        running=int(scheduler.in_flight) if scheduler is not None else sum(p.in_flight for p in points),
+        queued=int(scheduler.queued) if scheduler is not None else 0,
+        p99_ttft_s=pool_p99,
+        kv_usage=dict(kv_usage),
+        kv_admitted=(kv_total / kv_capacity) if kv_capacity > 0 else None,
+        entitlements=tuple(points),
+    )
+
+
+# --- the service and the tick --------------------------------------------------------------------
+
+_collector = CollectorState()
+_last_publish: dict[str, float] = {}
+_server_loop: asyncio.AbstractEventLoop | None = None
+
+
+def replica_kv_usage(*, pool: str) -> dict[str, float]:
+    """Last scraped KV usage of the pool's enabled replicas (written by the scrape tick); blocking."""
+    from apps.pools.models import Replica
+
+    rows = Replica.objects.filter(pool__name=pool, enabled=True, kv_cache_usage__isnull=False)
+    return {url.rstrip("/"): float(usage or 0.0) for url, usage in rows.values_list("url", "kv_cache_usage")}
+
+
+async def _kv_usage(pool: str) -> dict[str, float]:
+    from channels.db import database_sync_to_async
+
+    try:
+        return await database_sync_to_async(replica_kv_usage)(pool=pool)
+    except Exception:
+        logger.warning("telemetry: replica KV usage unavailable for %s", pool, exc_info=True)
+        return {}
+
+
+async def _snapshot(gateway: Any) -> Any:
+    snapshots = gateway.snapshots
+    if snapshots.current is None:
+        # Nothing went through the gateway yet in this process: load its picture of pools and keys.
+        await snapshots.refresh(force=True)
+    return snapshots.current
+
+
+def _shared_store() -> Any:
+    """The Redis state store when the gateway shares its state there: a process without a running gateway
+    (a Celery worker, `run_ticks`) still reads every entitlement's in-flight, KV, debt and burst."""
+    from apps.gateway.config import GatewayConfig
+
+    config = GatewayConfig.from_settings()
+    if config.state_backend != "redis" or not config.redis_url:
+        return None
+    from apps.gateway.redis_state import RedisStateStore
+
+    return RedisStateStore(url=config.redis_url)
+
+
+async def telemetry_sample_pool(*, pool: str, now: float | None = None, gateway: Any = None,
+                                channel_layer: Any = None, history: HistoryStore | None = None,
+                                state: CollectorState | None = None) -> PoolSample | None:
+    """Build the pool's sample from the gateway, append it to the history and send it to the pool's group.
+
+    Returns the sample, or None when the gateway knows no such pool.
+    """
+    if gateway is None:
+        from apps.gateway.asgi import gateway_application
+
+        gateway = gateway_application()
+    snapshot = await _snapshot(gateway)
+    info = snapshot.pools.get(pool) if snapshot is not None else None
+    if info is None:
+        return None
+    entries = [e for e in snapshot.keys.values() if e.pool_name == pool]
+    shared = _shared_store() if getattr(gateway, "store", None) is None else None
+    try:
+        sample = await collect_pool_sample(
+            gateway=gateway, pool=info, entries=entries, kv_usage=await _kv_usage(pool),
+            state=_collector if state is None else state, now=time.time() if now is None else now, store=shared,
+        )
+    finally:
+        if shared is not None:
+            await shared.close()
+    await (history or history_store()).append(sample)
+    if channel_layer is None:
+        from channels.layers import get_channel_layer
+
+        channel_layer = get_channel_layer()
+    if channel_layer is not None:
+        await channel_layer.group_send(pool_group(pool), {"type": GROUP_EVENT, "sample": sample.to_dict()})
+    return sample
+
+
+async def publish_pool_samples(*, now: float | None = None, gateway: Any = None) -> list[PoolSample]:
+    """One sample of every pool the gateway knows (skipping pools sampled under half a second ago)."""
+    if gateway is None:
+        from apps.gateway.asgi import gateway_application
+
+        gateway = gateway_application()
+    snapshot = await _snapshot(gateway)
+    if snapshot is None:
+        return []
+    published: list[PoolSample] = []
+    clock = time.monotonic()
+    for name in sorted(snapshot.pools):
+        if clock - _last_publish.get(name, -math.inf) < MIN_PUBLISH_INTERVAL_S:
+            continue
+        _last_publish[name] = clock
+        sample = await telemetry_sample_pool(pool=name, now=now, gateway=gateway)
+        if sample is not None:
+            published.append(sample)
+    return published
+
+
+def _bound_loop() -> asyncio.AbstractEventLoop | None:
+    """The server's event loop, where the in-process gateway state and the in-memory channel layer live:
+    the one the in-process ticker bound (workers.services), else the page-driven sampler's; a loop that
+    stopped (a server that went away) does not count."""
+    try:
+        from workers import services as worker_services
+
+        bound = getattr(worker_services, "_gateway_loop", None)
+    except Exception:  # pragma: no cover - the workers package is always installed here
+        bound = None
+    for loop in (bound, _server_loop):
+        if loop is not None and loop.is_running():
+            return loop
+    return None
+
+
+def publish_tick() -> int:
+    """The 1 s periodic job: sample every pool and publish; returns how many samples went out.
+
+    Ticks run in threads: with a server loop known (bound by the in-process ticker, or remembered by the
+    page-driven sampler) the work is handed to it, because the in-process gateway state and the in-memory
+    channel layer belong to that loop; otherwise (Celery, `run_ticks`) it runs on a loop of its own.
+    """
+    loop = _bound_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is not None and loop is not running:
+        future = asyncio.run_coroutine_threadsafe(publish_pool_samples(), loop)
+        return len(future.result(timeout=10))
+    if running is not None:
+        raise RuntimeError("publish_tick is blocking; await publish_pool_samples() inside an event loop")
+    return len(asyncio.run(publish_pool_samples()))
+
+
+# --- the page-driven sampler ----------------------------------------------------------------------
+
+_sampler_task: asyncio.Task | None = None
+
+
+async def _sample_forever(period_s: float) -> None:
+    while True:
+        started = time.monotonic()
+        try:
+            await publish_pool_samples()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("dashboard sampler failed; retrying next period")
+        await asyncio.sleep(max(0.05, period_s - (time.monotonic() - started)))
+
+
+def ensure_local_sampler(period_s: float = SAMPLE_PERIOD_S) -> bool:
+    """Start sampling on the running loop, once per process; returns whether it started now.
+
+    The embedded server runs no ticker of its own yet, so the first live page (or websocket) starts this
+    loop; with `publish_tick` registered as well, the interval guard in `publish_pool_samples` keeps one
+    sample per second. `DASHBOARD_LOCAL_SAMPLER = False` in settings turns it off (Celery publishes).
+    """
+    global _sampler_task, _server_loop
+    from django.conf import settings
+
+    if not getattr(settings, "DASHBOARD_LOCAL_SAMPLER", True):
+        return False
+    loop = asyncio.get_running_loop()
+    if _sampler_task is not None and not _sampler_task.done() and _server_loop is loop:
+        return False
+    _server_loop = loop
+    _sampler_task = loop.create_task(_sample_forever(period_s), name="dashboard-sampler")
+    return True
+
+
+async def stop_local_sampler() -> None:
+    global _sampler_task
+    task, _sampler_task = _sampler_task, None
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+def reset_collector() -> None:
+    """Forget counters and publish times (tests)."""
+    global _collector
+    _collector = CollectorState()
+    _last_publish.clear()

@@ -1,0 +1,131 @@
+"""The gateway's Prometheus metrics, hand-rolled (text exposition format 0.0.4, no dependency).
+
+Counters and histograms are updated on the request path with a dict lookup and an add; gauges are
+computed at scrape time from callbacks, so they cost nothing per request.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Sequence
+
+from apps.policy.aimd import DEFAULT_TTFT_BUCKETS_S
+
+DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+LabelValues = tuple[str, ...]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _number(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class Counter:
+    def __init__(self, name: str, help_text: str, labels: Sequence[str]) -> None:
+        self.name, self.help, self.label_names = name, help_text, tuple(labels)
+        self.values: dict[LabelValues, float] = {}
+
+    def inc(self, labels: LabelValues, amount: float = 1.0) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + amount
+
+    def get(self, labels: LabelValues) -> float:
+        return self.values.get(labels, 0.0)
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} counter"
+        for labels, value in self.values.items():
+            yield f"{self.name}{_labels(self.label_names, labels)} {_number(value)}"
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, labels: Sequence[str], buckets: Sequence[float]) -> None:
+        self.name, self.help, self.label_names = name, help_text, tuple(labels)
+        self.buckets = tuple(buckets)
+        self.series: dict[LabelValues, list[float]] = {}
+
+    def observe(self, labels: LabelValues, value: float) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            # bucket counts (non-cumulative), then +Inf, sum, count
+            series = self.series[labels] = [0.0] * (len(self.buckets) + 3)
+        series[bisect.bisect_left(self.buckets, value)] += 1
+        series[-2] += value
+        series[-1] += 1
+
+    def count(self, labels: LabelValues) -> int:
+        series = self.series.get(labels)
+        return 0 if series is None else int(series[-1])
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} histogram"
+        for labels, series in self.series.items():
+            cumulative = 0.0
+            for bound, count in zip((*self.buckets, float("inf")), series[: len(self.buckets) + 1], strict=True):
+                cumulative += count
+                extra = f'le="{_number(bound)}"'
+                yield f"{self.name}_bucket{_labels(self.label_names, labels, extra)} {_number(cumulative)}"
+            yield f"{self.name}_sum{_labels(self.label_names, labels)} {_number(series[-2])}"
+            yield f"{self.name}_count{_labels(self.label_names, labels)} {_number(series[-1])}"
+
+
+class Gauge:
+    """Values computed at scrape time by `collect() -> {labels: value}`."""
+
+    def __init__(self, name: str, help_text: str, labels: Sequence[str],
+                 collect: Callable[[], dict[LabelValues, float]]) -> None:
+        self.name, self.help, self.label_names, self.collect = name, help_text, tuple(labels), collect
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} gauge"
+        for labels, value in self.collect().items():
+            yield f"{self.name}{_labels(self.label_names, labels)} {_number(value)}"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.ttft = Histogram(
+            "gateway_ttft_seconds", "Gateway entry to first response chunk, queue wait included.",
+            ("pool",), DEFAULT_TTFT_BUCKETS_S,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds", "Gateway entry to the end of the response.",
+            ("pool",), DURATION_BUCKETS_S,
+        )
+        self.admitted = Counter(
+            "gateway_requests_admitted_total", "Requests admitted.", ("entitlement", "service_class")
+        )
+        self.rejected = Counter(
+            "gateway_requests_rejected_total", "Requests rejected, by reason.", ("entitlement", "service_class", "reason")
+        )
+        self.tokens = Counter(
+            "gateway_tokens_total", "Tokens served, by kind (prompt, completion).", ("entitlement", "kind")
+        )
+        self.gauges: list[Gauge] = []
+
+    def add_gauge(self, name: str, help_text: str, labels: Sequence[str],
+                  collect: Callable[[], dict[LabelValues, float]]) -> None:
+        self.gauges.append(Gauge(name, help_text, labels, collect))
+
+    def render(self) -> bytes:
+        lines: list[str] = []
+        metrics: list[Counter | Histogram | Gauge] = [self.ttft, self.duration, self.admitted, self.rejected,
+                                                      self.tokens, *self.gauges]
+        for metric in metrics:
+            lines.extend(metric.render())
+        return ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,26 @@
+"""Usage records: what each entitlement consumed, per minute, written in batches by the gateway."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class UsageRecord(models.Model):
+    tenant = models.ForeignKey("tenancy.Tenant", on_delete=models.CASCADE, related_name="usage_records")
+    # The entitlement's name (unique, never renamed): records outlive a deleted entitlement.
+    entitlement = models.CharField(max_length=253)
+    minute = models.DateTimeField()
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    rejected = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-minute", "entitlement"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "entitlement", "minute"], name="gateway_usage_unique_minute")
+        ]
+        indexes = [models.Index(fields=["entitlement", "minute"])]
+
+    def __str__(self) -> str:
+        return f"{self.entitlement} @ {self.minute:%Y-%m-%d %H:%M}"

@@ -1,0 +1,110 @@
+"""Replica choice: least outstanding requests among the healthy enabled replicas of a pool.
+
+Health is learnt two ways: a connect failure marks a replica down at once (passive), and the
+health task probes `/health` of every replica (active), which is also how a replica comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from apps.policy import InstanceSnapshot, pool_saturation
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaSet:
+    def __init__(self, urls: tuple[str, ...] = ()) -> None:
+        self.urls: tuple[str, ...] = ()
+        self.outstanding: dict[str, int] = {}
+        self.healthy: dict[str, bool] = {}
+        # Last scraped vLLM metrics per replica (only replicas that expose them).
+        self.metrics: dict[str, InstanceSnapshot] = {}
+        self.update(urls)
+
+    def update(self, urls: tuple[str, ...]) -> None:
+        if urls == self.urls:
+            return
+        self.urls = urls
+        self.outstanding = {url: self.outstanding.get(url, 0) for url in urls}
+        self.healthy = {url: self.healthy.get(url, True) for url in urls}
+        self.metrics = {url: m for url, m in self.metrics.items() if url in urls}
+
+    def candidates(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Healthy replicas not yet tried, fewest outstanding requests first (ties keep list order)."""
+        urls = [u for u in self.urls if self.healthy.get(u, True) and u not in exclude]
+        urls.sort(key=lambda u: self.outstanding.get(u, 0))
+        return urls
+
+    def acquire(self, url: str) -> None:
+        self.outstanding[url] = self.outstanding.get(url, 0) + 1
+
+    def release(self, url: str) -> None:
+        if url in self.outstanding and self.outstanding[url] > 0:
+            self.outstanding[url] -= 1
+
+    def saturation(self) -> float | None:
+        """GAIE's saturation over the healthy replicas that report metrics (seed 004); None if none do."""
+        snapshots = [m for url, m in self.metrics.items() if self.healthy.get(url, True)]
+        return pool_saturation(snapshots) if snapshots else None
+
+    def mark(self, url: str, healthy: bool) -> None:
+        if url in self.healthy and self.healthy[url] != healthy:
+            logger.warning("replica %s is now %s", url, "healthy" if healthy else "unhealthy")
+        self.healthy[url] = healthy
+
+
+async def probe_replicas(client: httpx.AsyncClient, replica_sets: list[ReplicaSet], timeout_s: float = 1.0) -> None:
+    """One round of `/health` probes over every replica of every pool."""
+
+    async def probe(replicas: ReplicaSet, url: str) -> None:
+        try:
+            response = await client.get(url + "/health", timeout=timeout_s)
+            replicas.mark(url, response.status_code < 500)
+        except httpx.HTTPError:
+            replicas.mark(url, False)
+            replicas.metrics.pop(url, None)
+            return
+        try:
+            metrics = await client.get(url + "/metrics", timeout=timeout_s)
+        except httpx.HTTPError:
+            return
+        snapshot = parse_vllm_metrics(metrics.text) if metrics.status_code == 200 else None
+        if snapshot is None:
+            replicas.metrics.pop(url, None)
+        else:
+            replicas.metrics[url] = snapshot
+
+    await asyncio.gather(*(probe(rs, url) for rs in replica_sets for url in rs.urls))
+
+
+def parse_vllm_metrics(text: str) -> InstanceSnapshot | None:
+    """Waiting requests, running requests and KV usage from vLLM's Prometheus text (summed over engines)."""
+    waiting = running = 0.0
+    kv_usage: list[float] = []
+    found = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        head, _, value_text = line.rpartition(" ")
+        name = head.split("{", 1)[0].strip()
+        try:
+            value = float(value_text)
+        except ValueError:
+            continue
+        if name == "vllm:num_requests_waiting":
+            waiting += value
+            found = True
+        elif name == "vllm:num_requests_running":
+            running += value
+            found = True
+        elif name == "vllm:kv_cache_usage_perc":
+            kv_usage.append(value)
+            found = True
+    if not found:
+        return None
+    kv = max(kv_usage) if kv_usage else 0.0
+    return InstanceSnapshot(queue_depth=waiting, kv_utilization=min(max(kv, 0.0), 1.0), batch_size=running)

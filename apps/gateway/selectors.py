@@ -1,0 +1,59 @@
+"""ORM reads of the gateway: the whole key/entitlement/pool picture, and a cheap marker of its changes.
+
+These run off the request path only (the snapshot refresher's thread); the per-request path reads
+the immutable snapshot built from them. The gateway serves every tenant, so these selectors are
+system-wide rather than scoped to a user.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Count, Max, Q
+
+from apps.pools.models import Replica, TokenEntitlement, TokenPool
+from apps.tenancy.models import ApiKey
+
+
+def gateway_change_marker() -> tuple[Any, ...]:
+    """A value that moves whenever anything the snapshot holds changes (four aggregate queries).
+
+    Counts catch deletions, max ids catch inserts, timestamps catch edits; a replica toggled off
+    while another is toggled on would keep the counts, so the enabled ids are summed as well.
+    """
+    keys = ApiKey.objects.aggregate(
+        n=Count("id"), top=Max("id"), revoked=Count("revoked_at"), last_revoked=Max("revoked_at"),
+        last_expiry=Max("expires_at"),
+    )
+    ents = TokenEntitlement.objects.aggregate(
+        n=Count("id"), top=Max("id"), updated=Max("updated_at"), changed=Max("state_changed_at")
+    )
+    pools = TokenPool.objects.aggregate(n=Count("id"), top=Max("id"), updated=Max("updated_at"))
+    replicas = Replica.objects.aggregate(
+        n=Count("id"), top=Max("id"), enabled=Count("id", filter=Q(enabled=True))
+    )
+    enabled_ids = sum(Replica.objects.filter(enabled=True).values_list("id", flat=True))
+    return tuple(keys.values()) + tuple(ents.values()) + tuple(pools.values()) + tuple(replicas.values()) + (
+        enabled_ids,
+    )
+
+
+def gateway_active_keys() -> list[ApiKey]:
+    """Unrevoked keys with tenant, entitlement and pool loaded (expiry is judged per request)."""
+    return list(
+        ApiKey.objects.filter(revoked_at__isnull=True).select_related(
+            "tenant", "entitlement", "entitlement__pool", "entitlement__tenant"
+        )
+    )
+
+
+def gateway_pools() -> list[TokenPool]:
+    return list(TokenPool.objects.prefetch_related("replicas", "entitlements"))
+
+
+def usage_record_list(*, user: Any) -> Any:
+    """Usage records of the tenants the user may see (all for superusers)."""
+    from apps.gateway.models import UsageRecord
+    from apps.tenancy.selectors import tenant_list
+
+    return UsageRecord.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant")

@@ -1,0 +1,22 @@
+"""Model signals that make this process reload its snapshot at once (other processes poll a marker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models.signals import post_delete, post_save
+
+from apps.gateway.snapshot import bump_local_version
+
+
+def _changed(sender: Any, **kwargs: Any) -> None:
+    bump_local_version()
+
+
+def connect_signals() -> None:
+    from apps.pools.models import Replica, TokenEntitlement, TokenPool
+    from apps.tenancy.models import ApiKey, Tenant
+
+    for model in (ApiKey, TokenEntitlement, TokenPool, Replica, Tenant):
+        post_save.connect(_changed, sender=model, dispatch_uid=f"gateway-snapshot-{model.__name__}")
+        post_delete.connect(_changed, sender=model, dispatch_uid=f"gateway-snapshot-del-{model.__name__}")

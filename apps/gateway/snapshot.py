@@ -1,0 +1,231 @@
+"""The gateway's immutable picture of keys, entitlements and pools, and the task that keeps it fresh.
+
+Per request the gateway does one SHA-256 and one dict lookup (`Snapshot.key_for`); the ORM is read
+only by `snapshot_load`, in a worker thread, when `gateway_change_marker` moves (polled every
+`snapshot_poll_s`, 0.5 s by default) or when a model signal in this process bumps the local version,
+so a revoked key or a changed entitlement is refused within a second on every process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from apps.gateway.config import GatewayConfig
+from apps.policy import EntitlementLimits, EntitlementState
+
+logger = logging.getLogger(__name__)
+
+_RESERVING = frozenset({"dedicated", "guaranteed"})
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    name: str
+    model_name: str
+    replica_urls: tuple[str, ...]
+    concurrency_capacity: int
+    kv_capacity: float
+    kv_bytes_per_token: int
+    context_window: int
+    mean_slo_ms: float = 1000.0
+    # (entitlement id, concurrency, kv bytes) of Bound dedicated/guaranteed entitlements: their idle
+    # reservations are withheld from other classes by the policy.
+    reserved: tuple[tuple[str, int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    key_id: int
+    tenant_id: int
+    tenant_slug: str
+    limits: EntitlementLimits
+    pool_name: str
+    queue_max: int
+    key_expires_at: float | None = None
+    entitlement_expires_at: float | None = None
+    expired_limits: EntitlementLimits | None = None
+
+    @property
+    def entitlement(self) -> str:
+        return self.limits.entitlement_id
+
+    def limits_at(self, now_epoch: float) -> EntitlementLimits:
+        """The limits, with the state Expired once the entitlement's expiry passed (before any tick)."""
+        if self.entitlement_expires_at is not None and now_epoch >= self.entitlement_expires_at:
+            return self.expired_limits or self.limits
+        return self.limits
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    keys: Mapping[str, KeyEntry] = field(default_factory=dict)
+    pools: Mapping[str, PoolInfo] = field(default_factory=dict)
+    version: int = 0
+    # Backend model name -> pool (the first pool by name serving it).
+    models: Mapping[str, PoolInfo] = field(default_factory=dict)
+
+    def key_for(self, secret: str, now_epoch: float) -> KeyEntry | None:
+        entry = self.keys.get(hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest())
+        if entry is None or (entry.key_expires_at is not None and now_epoch >= entry.key_expires_at):
+            return None
+        return entry
+
+    def pool_for_model(self, model: str) -> PoolInfo | None:
+        """The model name selects the pool: the pool's own name or the model it serves."""
+        pool = self.pools.get(model)
+        return pool if pool is not None else self.models.get(model)
+
+
+def _epoch(value: Any) -> float | None:
+    return None if value is None else value.timestamp()
+
+
+def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
+    """Build a snapshot from the ORM (blocking; call it from a thread in async code)."""
+    from apps.gateway.selectors import gateway_active_keys, gateway_pools
+
+    pools: dict[str, PoolInfo] = {}
+    for pool in gateway_pools():
+        urls = tuple(r.url.rstrip("/") for r in sorted(pool.replicas.all(), key=lambda r: (r.position, r.id))
+                     if r.enabled)
+        per = pool.per_replica_capacity
+        # What one replica's KV cache really holds, once the workers' scrape measured it.
+        kv_per_replica = getattr(pool, "measured_kv_cache_bytes_per_replica", None) or per.kv_bytes
+        bound = [e for e in pool.entitlements.all() if e.effective_state() == "Bound"]
+        slos = [e.slo_target_ms for e in bound]
+        pools[pool.name] = PoolInfo(
+            name=pool.name,
+            model_name=pool.model_name,
+            replica_urls=urls,
+            concurrency_capacity=len(urls) * per.slots,
+            kv_capacity=float(len(urls) * kv_per_replica),
+            kv_bytes_per_token=pool.bytes_per_token,
+            context_window=config.context_window,
+            mean_slo_ms=(sum(slos) / len(slos)) if slos else 1000.0,
+            reserved=tuple(
+                (e.name, e.concurrency, float(e.kv_cache_bytes)) for e in bound if e.service_class in _RESERVING
+            ),
+        )
+    keys: dict[str, KeyEntry] = {}
+    for key in gateway_active_keys():
+        ent = key.entitlement
+        pool_info = pools.get(ent.pool.name)
+        if pool_info is None:
+            continue
+        limits = EntitlementLimits(
+            entitlement_id=ent.name,
+            service_class=ent.service_class,
+            tokens_per_second=float(ent.tokens_per_second),
+            kv_bytes=float(ent.kv_cache_bytes),
+            concurrency=ent.concurrency,
+            slo_target_ms=float(ent.slo_target_ms),
+            default_max_tokens=ent.default_max_tokens or config.default_max_tokens,
+            context_window=pool_info.context_window,
+            kv_bytes_per_token=float(pool_info.kv_bytes_per_token),
+            state=ent.effective_state().lower(),
+            tenant_id=str(key.tenant_id),
+        )
+        keys[key.secret_hash] = KeyEntry(
+            key_id=key.pk,
+            tenant_id=key.tenant_id,
+            tenant_slug=key.tenant.slug,
+            limits=limits,
+            pool_name=pool_info.name,
+            queue_max=ent.queue_max or config.queue_max_default,
+            key_expires_at=_epoch(key.expires_at),
+            entitlement_expires_at=_epoch(ent.expires_at),
+            expired_limits=replace(limits, state=EntitlementState.EXPIRED) if ent.expires_at else None,
+        )
+    models: dict[str, PoolInfo] = {}
+    for pool_info in pools.values():
+        models.setdefault(pool_info.model_name, pool_info)
+    return Snapshot(keys=MappingProxyType(keys), pools=MappingProxyType(pools), version=version,
+                    models=MappingProxyType(models))
+
+
+# Bumped by the model signal receivers (apps.gateway.signals) so this process reloads at once.
+_local_version = 0
+
+
+def bump_local_version() -> None:
+    global _local_version
+    _local_version += 1
+
+
+def local_version() -> int:
+    return _local_version
+
+
+class SnapshotCache:
+    """Holds the current snapshot; `run()` refreshes it whenever the change marker moves."""
+
+    def __init__(
+        self,
+        *,
+        config: GatewayConfig,
+        loader: Callable[[], Snapshot] | None = None,
+        marker: Callable[[], Any] | None = None,
+        initial: Snapshot | None = None,
+    ) -> None:
+        self.config = config
+        self._loader = loader or (lambda: snapshot_load(config=config))
+        self._marker = marker or _default_marker
+        self.current: Snapshot | None = initial
+        self._last_marker: Any = None
+        # One thread keeps one database connection for all the loads of this process.
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gw-snapshot")
+        self.loaded_at = 0.0
+
+    async def _in_thread(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, _with_db_cleanup, fn)
+
+    async def refresh(self, *, force: bool = False) -> bool:
+        """Reload when the marker moved (or `force`); returns whether a new snapshot was installed."""
+        marker = (await self._in_thread(self._marker), local_version())
+        if not force and self.current is not None and marker == self._last_marker:
+            return False
+        snapshot = await self._in_thread(self._loader)
+        self.current = snapshot
+        self._last_marker = marker
+        self.loaded_at = time.monotonic()
+        return True
+
+    async def get(self) -> Snapshot:
+        if self.current is None:
+            await self.refresh(force=True)
+        assert self.current is not None
+        return self.current
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep serving the last good snapshot; the database may come back
+                logger.exception("gateway snapshot refresh failed")
+            await asyncio.sleep(self.config.snapshot_poll_s)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
+
+
+def _default_marker() -> Any:
+    from apps.gateway.selectors import gateway_change_marker
+
+    return gateway_change_marker()
+
+
+def _with_db_cleanup(fn: Callable[[], Any]) -> Any:
+    from django.db import close_old_connections
+
+    close_old_connections()
+    return fn()

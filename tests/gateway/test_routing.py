@@ -1,0 +1,203 @@
+"""Routing over replicas, health, retries, disconnects and preemption, through real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from apps.gateway.state import MemoryStateStore
+from tests.support.services import free_port
+
+pytestmark = pytest.mark.django_db
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for something the server does after the client is done (not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.02)
+
+
+def test_connect_failure_is_retried_on_another_replica(gateway_factory: Any, upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory()
+    dead = f"http://127.0.0.1:{free_port()}"
+    h = gateway_factory(upstreams=[upstream], replica_urls=[dead, upstream.url], config={"tokenize": False})
+    for _ in range(3):
+        assert httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth()).status_code == 200
+    assert len(upstream.received) == 3
+    assert h.gateway.replicas["tiny"].healthy[dead] is False
+
+
+def test_no_healthy_replica_is_503_and_releases(gateway_factory: Any) -> None:
+    h = gateway_factory(upstreams=[], replica_urls=[f"http://127.0.0.1:{free_port()}"], config={"tokenize": False})
+    response = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_healthy_replica"
+    assert response.headers["x-tokenpools-reject-reason"] == "no_healthy_replica"
+    assert h.usage().in_flight == 0
+    again = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
+    assert again.status_code == 503
+
+
+def test_health_probe_takes_a_replica_out_and_back(gateway_factory: Any, upstream_factory: Any) -> None:
+    sick, _ = upstream_factory()
+    well, _ = upstream_factory()
+    h = gateway_factory(upstreams=[sick, well], config={"tokenize": False})
+    sick.healthy = False
+    h.server.call(h.gateway.health_check())
+    for _ in range(4):
+        assert httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth()).status_code == 200
+    assert (len(sick.received), len(well.received)) == (0, 4)
+    sick.healthy = True
+    h.server.call(h.gateway.health_check())
+    assert h.gateway.replicas["tiny"].healthy[sick.url] is True
+
+
+def test_least_outstanding_spreads_concurrent_requests(gateway_factory: Any, upstream_factory: Any) -> None:
+    first, _ = upstream_factory(first_token_delay_s=0.3)
+    second, _ = upstream_factory(first_token_delay_s=0.3)
+    h = gateway_factory(upstreams=[first, second], config={"tokenize": False})
+
+    async def fire() -> list[int]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            responses = await asyncio.gather(*(client.post(h.url + "/v1/chat/completions", json=BODY,
+                                                           headers=h.auth()) for _ in range(4)))
+        return [r.status_code for r in responses]
+
+    assert asyncio.run(fire()) == [200] * 4
+    assert (len(first.received), len(second.received)) == (2, 2)
+
+
+def test_client_disconnect_mid_stream_releases_and_charges_what_was_generated(
+    gateway_factory: Any, upstream_factory: Any
+) -> None:
+    upstream, _ = upstream_factory(token_delay_s=0.05)
+    h = gateway_factory(upstreams=[upstream], store=MemoryStateStore(clock=lambda: 100.0),
+                        config={"tokenize": False})
+    body = {**BODY, "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", h.url + "/v1/chat/completions", json=body, headers=h.auth()) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    eventually(lambda: h.running() == 0)
+    usage = h.usage()
+    assert usage.in_flight == 0
+    eventually(lambda: upstream.active == 0)
+    spent = 60_000 - usage.tokens_available
+    # Charged the prompt and the tokens generated before the disconnect, not the 400 reserved.
+    assert 1 <= spent < 300
+
+
+def test_preemptible_streams_are_cancelled_for_higher_priority_work(
+    gateway_factory: Any, upstream_factory: Any
+) -> None:
+    upstream, _ = upstream_factory(token_delay_s=0.05)
+    h = gateway_factory(
+        upstreams=[upstream],
+        pool={"slots_per_replica": 2},
+        entitlement={"concurrency": 1},
+        extra_entitlements={"acme-batch": {"service_class": "preemptible", "concurrency": 2, "slo_target_ms": 5000}},
+        config={"tokenize": False},
+    )
+
+    async def scenario() -> tuple[list[str], int]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            batch_body = {**BODY, "max_tokens": 100, "stream": True}
+            streams = []
+            for _ in range(2):
+                request = client.build_request("POST", h.url + "/v1/chat/completions", json=batch_body,
+                                               headers=h.auth(h.secrets["acme-batch"]))
+                response = await client.send(request, stream=True)
+                assert response.status_code == 200
+                streams.append(response)
+            readers = [response.aiter_lines() for response in streams]
+            for lines in readers:  # both are generating
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+            urgent = await client.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
+            tails = []
+            for response, lines in zip(streams, readers, strict=True):
+                tails.append("".join([line async for line in lines]))
+                await response.aclose()
+            return tails, urgent.status_code
+
+    tails, status = asyncio.run(scenario())
+    assert status == 200
+    for tail in tails:
+        assert '"code": "preempted"' in tail
+        assert tail.rstrip().endswith("[DONE]")
+    eventually(lambda: h.running() == 0)
+    assert h.usage("acme-batch").in_flight == 0
+
+
+def test_vllm_metrics_are_parsed_into_an_instance_snapshot() -> None:
+    from apps.gateway.routing import parse_vllm_metrics
+
+    text = ("# HELP vllm:num_requests_waiting x\n"
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 16.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.4\n'
+            'vllm:cache_config_info{kv_cache_size_tokens="524288"} 1.0\n')
+    snapshot = parse_vllm_metrics(text)
+    assert snapshot is not None
+    assert (snapshot.queue_depth, snapshot.kv_utilization, snapshot.batch_size) == (3.0, 0.4, 16.0)
+    assert parse_vllm_metrics("other_metric 1\n") is None
+
+
+def test_saturated_replicas_make_the_pool_contended(gateway_factory: Any, upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory(waiting=10)
+    h = gateway_factory(upstreams=[upstream], config={"tokenize": False})
+    h.server.call(h.gateway.health_check())
+    busy = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
+    assert busy.status_code == 429
+    assert busy.json()["error"]["code"] == "pool_contended"
+    assert 'flow_control_pool_saturation{pool="tiny"} 2' in httpx.get(h.url + "/metrics").text
+    upstream.waiting = 0
+    h.server.call(h.gateway.health_check())
+    assert httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth()).status_code == 200
+    assert h.usage().in_flight == 0
+
+
+def test_backend_failing_mid_stream_ends_the_stream_with_an_error_event(
+    gateway_factory: Any, upstream_factory: Any
+) -> None:
+    upstream, _ = upstream_factory(fail_after=2)
+    h = gateway_factory(upstreams=[upstream], config={"tokenize": False})
+    response = httpx.post(h.url + "/v1/chat/completions", json={**BODY, "max_tokens": 10, "stream": True},
+                          headers=h.auth())
+    assert response.status_code == 200
+    events = [line for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert '"code": "upstream_error"' in events[-2]
+    assert events[-1] == "data: [DONE]"
+    assert h.usage().in_flight == 0
+
+
+def test_client_leaving_while_queued_releases_its_reservation(gateway_factory: Any, upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory(token_delay_s=0.05)
+    h = gateway_factory(upstreams=[upstream], config={"tokenize": False, "acquire_timeout_s": 30.0})
+    assert httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth()).status_code == 200
+    scheduler = h.gateway.schedulers["tiny"]
+
+    async def shrink() -> None:
+        scheduler.scheduler.set_budget(1, 0.0)  # as if AIMD had cut the pool's budget to one
+
+    h.server.call(shrink())
+    with httpx.stream("POST", h.url + "/v1/chat/completions", json={**BODY, "max_tokens": 40, "stream": True},
+                      headers=h.auth()) as holder:
+        lines = holder.iter_lines()  # kept referenced: a collected iterator closes the stream
+        assert next(lines).startswith("data: ")
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the holder, then the client gives up
+            httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth(), timeout=0.5)
+        eventually(lambda: h.usage().in_flight == 1)  # the queued one released its reservation
+        assert h.running() == 1
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    eventually(lambda: h.usage().in_flight == 0)
+    eventually(lambda: scheduler.in_flight == 0 and scheduler.queued == 0)

@@ -1,0 +1,95 @@
+"""Usage accounting: batched upserts that add up, the read-only API scoped to the caller's tenants,
+and the gateway feeding both."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import httpx
+import pytest
+from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
+
+from apps.gateway.api import UsageRecordViewSet
+from apps.gateway.models import UsageRecord
+from apps.gateway.usage import _Counts, usage_records_upsert_batch
+from apps.tenancy.models import Membership, Role
+
+pytestmark = pytest.mark.django_db
+
+
+def test_batches_add_up_per_tenant_entitlement_and_minute(acme: Any) -> None:
+    minute = 29_000_000
+    usage_records_upsert_batch({(acme.pk, "e1", minute): _Counts(2, 10, 20, 1)})
+    usage_records_upsert_batch({(acme.pk, "e1", minute): _Counts(1, 5, 5, 0), (acme.pk, "e1", minute + 1): _Counts(1)})
+    first = UsageRecord.objects.get(entitlement="e1", minute=dt.datetime.fromtimestamp(minute * 60, tz=dt.UTC))
+    assert (first.requests, first.prompt_tokens, first.completion_tokens, first.rejected) == (3, 15, 25, 1)
+    assert UsageRecord.objects.count() == 2
+
+
+def _list(user: Any) -> list[dict[str, Any]]:
+    from django.urls import include, path
+    from rest_framework.routers import DefaultRouter
+
+    router = DefaultRouter()
+    router.register("usage", UsageRecordViewSet, basename="usage")
+    client = APIClient()
+    client.force_authenticate(user)
+    from django.test import override_settings
+
+    module = type("Urls", (), {"urlpatterns": [path("api/", include(router.urls))]})
+    with override_settings(ROOT_URLCONF=module):
+        response = client.get("/api/usage/")
+    assert response.status_code == 200
+    return response.json()["results"]
+
+
+def test_api_shows_only_the_callers_tenants(acme: Any, globex: Any, admin: Any) -> None:
+    usage_records_upsert_batch({(acme.pk, "acme-e", 29_000_000): _Counts(1, 2, 3, 0),
+                                (globex.pk, "globex-e", 29_000_000): _Counts(4, 5, 6, 0)})
+    member = get_user_model().objects.create_user("m", password="m-pass-12345")
+    Membership.objects.create(tenant=acme, user=member, role=Role.MEMBER)
+    outsider = get_user_model().objects.create_user("o", password="o-pass-12345")
+    assert [r["entitlement"] for r in _list(member)] == ["acme-e"]
+    assert _list(member)[0]["tenant"] == "acme"
+    assert _list(outsider) == []
+    assert sorted(r["entitlement"] for r in _list(admin)) == ["acme-e", "globex-e"]
+
+
+def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any) -> None:
+    h = gateway_factory(entitlement={"concurrency": 1})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 4}
+    assert httpx.post(h.url + "/v1/chat/completions", json=body, headers=h.auth()).status_code == 200
+    assert httpx.post(h.url + "/v1/chat/completions", json={**body, "max_tokens": 2000},
+                      headers=h.auth()).status_code == 400
+    pending = h.gateway.usage._pending
+    ((tenant_id, entitlement, _minute), counts), = pending.items()
+    assert (tenant_id, entitlement) == (h.entitlement.tenant_id, "acme-chat")
+    assert (counts.requests, counts.completion_tokens) == (1, 4)
+    assert counts.prompt_tokens == 5  # the backend's count (3 words + 2)
+    assert h.gateway.schedulers["tiny"].histogram.count == 1  # the TTFT the pool's AIMD reads
+    usage_records_upsert_batch(dict(pending))
+    assert UsageRecord.objects.get().completion_tokens == 4
+
+    metrics = httpx.get(h.url + "/metrics")
+    assert metrics.status_code == 200
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    assert 'gateway_requests_admitted_total{entitlement="acme-chat",service_class="guaranteed"} 1' in text
+    assert ('gateway_requests_rejected_total{entitlement="acme-chat",service_class="guaranteed",'
+            'reason="context_length_exceeded"} 1') in text
+    assert 'gateway_ttft_seconds_count{pool="tiny"} 1' in text
+    assert 'gateway_request_duration_seconds_bucket{pool="tiny",le="+Inf"} 1' in text
+    assert 'flow_control_queue_size{pool="tiny"} 0' in text
+    assert 'flow_control_budget_utilization{pool="tiny"} 0' in text
+    assert 'gateway_requests_in_flight{pool="tiny"} 0' in text
+
+
+def test_admin_lists_usage_records_read_only(client: Any, admin: Any, acme: Any) -> None:
+    usage_records_upsert_batch({(acme.pk, "acme-e", 29_000_000): _Counts(1, 2, 3, 0)})
+    client.force_login(admin)
+    page = client.get("/django-admin/gateway/usagerecord/")
+    assert page.status_code == 200
+    assert b"acme-e" in page.content
+    assert client.get("/django-admin/gateway/usagerecord/add/").status_code == 403

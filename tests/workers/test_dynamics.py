@@ -1,0 +1,202 @@
+"""The EWMA tick against the gateway's real state stores, and the shared AIMD tick on both control states."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from apps.gateway.redis_state import RedisStateStore
+from apps.gateway.snapshot import PoolInfo
+from apps.gateway.state import MemoryStateStore
+from apps.policy import AdmissionRequest, Dynamics, EntitlementLimits, InstanceSnapshot
+from workers.dynamics import (
+    AimdParams,
+    AimdRecord,
+    ControlState,
+    EntitlementFigures,
+    MemoryControlState,
+    RedisControlState,
+    aimd_tick,
+    dynamics_step,
+    ewma_tick,
+)
+
+ELASTIC = EntitlementLimits(entitlement_id="ent-elastic", service_class="elastic", tokens_per_second=100.0,
+                            kv_bytes=1e9, concurrency=4)
+SPOT = EntitlementLimits(entitlement_id="ent-spot", service_class="spot", tokens_per_second=100.0,
+                         kv_bytes=1e9, concurrency=4)
+POOL = PoolInfo("tiny", "tiny", ("http://127.0.0.1:1",), 16, 1e12, 1, 4096)
+_ids = itertools.count()
+
+
+def test_dynamics_step_exact_numbers() -> None:
+    # Underserved: wanted 100 tok/s (baseline 100), got 20 -> gap 0.8, debt 0.3 * 0.8 (gamma_d 0.7).
+    figures = EntitlementFigures(served_tokens=40, demand_tokens=200, in_flight=2, rejected=3)
+    step = dynamics_step(Dynamics(), ELASTIC, figures, elapsed_s=2.0)
+    assert step.debt == pytest.approx(0.24)
+    assert step.burst == 0.0
+    # Bursting to 300 tok/s on a 100 baseline: gap -2 (credit), burst delta 2 on throughput only.
+    over = dynamics_step(Dynamics(debt=0.5), ELASTIC, EntitlementFigures(served_tokens=300, demand_tokens=300),
+                         elapsed_s=1.0)
+    assert over.debt == pytest.approx(0.7 * 0.5 + 0.3 * -2.0)
+    assert over.burst == pytest.approx(0.3 * 2.0)
+    # Spot never accrues debt.
+    assert dynamics_step(Dynamics(), SPOT, figures, elapsed_s=2.0).debt == 0.0
+    with pytest.raises(ValueError):
+        dynamics_step(Dynamics(), ELASTIC, figures, elapsed_s=0.0)
+
+
+async def _serve(store: object, limits: EntitlementLimits, tokens: int) -> None:
+    result = await store.admit(limits=limits, pool=POOL,  # type: ignore[attr-defined]
+                               request=AdmissionRequest(f"r{next(_ids)}", input_tokens=10, max_tokens=tokens - 10))
+    assert result.reservation is not None, result.decision
+    await store.release(reservation=result.reservation, prompt_tokens=10,  # type: ignore[attr-defined]
+                        completion_tokens=tokens - 10)
+
+
+async def _debt_trajectory(store: object) -> list[float]:
+    """Three underserved ticks (100 tok/s wanted, 20 served), then three recovered ones (all served)."""
+    debts: list[float] = []
+    for underserved in (True, True, True, False, False, False):
+        await _serve(store, ELASTIC, 20)
+        if underserved:
+            await store.record_rejection(entitlement=ELASTIC.entitlement_id, token_cost=80)  # type: ignore[attr-defined]
+        else:
+            await _serve(store, ELASTIC, 80)
+        result = await ewma_tick(store=store, entitlements=[(ELASTIC, "tiny")], elapsed_s=1.0)
+        usage = await store.entitlement_usage(limits=ELASTIC)  # type: ignore[attr-defined]
+        assert usage.debt == pytest.approx(result.dynamics[ELASTIC.entitlement_id].debt)
+        assert result.pool_demand_tps == {"tiny": pytest.approx(100.0)}
+        debts.append(usage.debt)
+    return debts
+
+
+def _check_rise_and_decay(debts: list[float]) -> None:
+    expected, debt = [], 0.0
+    for gap in (0.8, 0.8, 0.8, 0.0, 0.0, 0.0):
+        debt = 0.7 * debt + 0.3 * gap
+        expected.append(debt)
+    assert debts == pytest.approx(expected)
+    assert debts[0] < debts[1] < debts[2] and debts[2] > debts[3] > debts[4] > debts[5] > 0
+
+
+def test_ewma_tick_on_the_memory_store() -> None:
+    _check_rise_and_decay(asyncio.run(_debt_trajectory(MemoryStateStore())))
+
+
+@pytest.mark.redis
+def test_ewma_tick_on_the_redis_store(redis_url: str) -> None:
+    async def run() -> list[float]:
+        store = RedisStateStore(url=redis_url)
+        try:
+            await store.redis.delete(f"tp:gw:ent:{ELASTIC.entitlement_id}")
+            return await _debt_trajectory(store)
+        finally:
+            await store.close()
+
+    _check_rise_and_decay(asyncio.run(run()))
+
+
+@pytest.fixture(params=["memory", "redis"])
+def control(request: pytest.FixtureRequest) -> Iterator[ControlState]:
+    if request.param == "memory":
+        yield MemoryControlState()
+        return
+    state = RedisControlState(url=request.getfixturevalue("redis_url"))
+    state.PREFIX = f"tokenpools:test:{uuid.uuid4().hex}:"  # isolated from other tests on the server
+    try:
+        yield state
+    finally:
+        for key in state.redis.scan_iter(state.PREFIX + "*"):
+            state.redis.delete(key)
+        state.close()
+
+
+PARAMS = AimdParams(target_p99_s=2.0, window_ticks=1, cooldown_ticks=3, min_samples=10)
+
+
+def _observe(control: ControlState, pool: str, seconds: float, n: int = 20) -> None:
+    for _ in range(n):
+        control.ttft_observe(pool, seconds)
+
+
+def test_aimd_budget_moves_on_each_side_of_the_deadband(control: ControlState) -> None:
+    # Above target x 1.2: multiplicative decrease from the ceiling (16 slots), then a 3-tick cooldown.
+    _observe(control, "hot", 5.0)
+    records = aimd_tick(state=control, pools={"hot": 16}, params=PARAMS)
+    assert (records["hot"].cap, records["hot"].last_action) == (8, "decrease")
+    assert records["hot"].p99_s is not None and records["hot"].p99_s > 2.4
+    for _ in range(3):
+        _observe(control, "hot", 5.0)
+        assert aimd_tick(state=control, pools={"hot": 16}, params=PARAMS)["hot"].last_action == "hold_cooldown"
+    _observe(control, "hot", 5.0)
+    assert aimd_tick(state=control, pools={"hot": 16}, params=PARAMS)["hot"].cap == 4
+
+    # Below target x 0.8 with demand: +1 per tick.
+    control.aimd_save("cool", AimdRecord(cap=8, min_cap=1, max_cap=16))
+    for expected in (9, 10):
+        _observe(control, "cool", 0.1)
+        record = aimd_tick(state=control, pools={"cool": 16}, params=PARAMS)["cool"]
+        assert (record.cap, record.last_action) == (expected, "increase")
+
+    # Inside the band: hold. p99 interpolates inside the (1, 2.5] bucket: 1 + 1.5 * (19.8 - 19) = 2.2 s.
+    control.aimd_save("steady", AimdRecord(cap=8, min_cap=1, max_cap=16))
+    _observe(control, "steady", 0.75, n=19)
+    _observe(control, "steady", 2.0, n=1)
+    record = aimd_tick(state=control, pools={"steady": 16}, params=PARAMS)["steady"]
+    assert (record.cap, record.last_action) == (8, "hold_band")
+    assert record.p99_s == pytest.approx(2.2)
+    assert control.aimd_load("steady") == record
+
+
+def test_aimd_holds_without_samples_and_respects_capacity(control: ControlState) -> None:
+    record = aimd_tick(state=control, pools={"idle": 16}, params=PARAMS)["idle"]
+    assert (record.cap, record.last_action, record.samples) == (16, "hold_few_samples", 0)
+    # A pool that lost replicas clips its stored cap to the new ceiling.
+    control.aimd_save("shrunk", AimdRecord(cap=32, min_cap=1, max_cap=32))
+    assert aimd_tick(state=control, pools={"shrunk": 16}, params=PARAMS)["shrunk"].cap == 16
+
+
+def test_ttft_window_spans_several_ticks(control: ControlState) -> None:
+    params = AimdParams(target_p99_s=2.0, window_ticks=2, min_samples=10)
+    _observe(control, "w", 0.1, n=6)
+    assert aimd_tick(state=control, pools={"w": 16}, params=params)["w"].samples == 6
+    _observe(control, "w", 0.1, n=5)
+    assert aimd_tick(state=control, pools={"w": 16}, params=params)["w"].samples == 11
+    assert aimd_tick(state=control, pools={"w": 16}, params=params)["w"].samples == 5  # the first slice fell out
+
+
+def test_ttft_counts_added_in_batches(control: ControlState) -> None:
+    counts = [0] * (len(control.bounds) + 1)
+    counts[control.bucket(5.0)] = 15
+    counts[-1] = 5  # beyond the last bound
+    control.ttft_add("batch", counts)
+    control.ttft_observe("batch", 5.0)
+    record = aimd_tick(state=control, pools={"batch": 16}, params=PARAMS)["batch"]
+    assert record.samples == 21 and record.last_action == "decrease"
+    assert record.p99_s == 60.0  # the rank falls in +Inf: the highest finite bound
+
+
+def test_swap_last_run_and_pool_demand(control: ControlState) -> None:
+    assert control.swap_last_run("ewma", 10.0) is None
+    assert control.swap_last_run("ewma", 11.5) == 10.0
+    control.pool_demand_set({"tiny": 12.5})
+    assert control.pool_demand() == {"tiny": 12.5}
+    control.pool_demand_set({})
+    assert control.pool_demand() == {}
+    control.desired_replicas_set({"tiny": 3, "big": 10})
+    assert control.desired_replicas() == {"tiny": 3, "big": 10}
+
+
+def test_instance_snapshots_round_trip(control: ControlState) -> None:
+    assert control.instances("tiny") == []
+    snapshots = [InstanceSnapshot(queue_depth=2.0, kv_utilization=0.25, updated_at=1700000000.5, batch_size=3.0),
+                 InstanceSnapshot(queue_depth=0.0, kv_utilization=0.0, updated_at=None)]
+    control.instances_set("tiny", snapshots)
+    assert control.instances("tiny") == snapshots
+    control.instances_set("tiny", [])
+    assert control.instances("tiny") == []

@@ -1,0 +1,441 @@
+"""The two control loops of the policy, as services the ticks call.
+
+EWMA tick (seed 000, section 3.3): for every active entitlement, the served and refused token
+counters the gateway's state store accumulated since the last tick give the served and demanded
+rates; with the in-flight slots and KV bytes they feed `apps.policy.update_dynamics` (debt (2) and
+burst (3)), and the new debt and burst are written back to the same store, so every gateway
+process prices its next admission with them at once.
+
+AIMD tick (seed 002): every 5 s, the p99 of the gateway's TTFT over the last 30 s moves each
+pool's budget: +1 below target x 0.8 when there is demand, multiplicative decrease above
+target x 1.2 (then a cooldown), hold in between. The controller itself is `apps.policy.AimdController`;
+what it needs between ticks (cap, cooldown, the TTFT window) lives in a `ControlState`: in-process
+for the embedded server, Redis when several processes share it. Gateways add TTFT observations to
+it (`ttft_observe`) and read the budget (`aimd_load(pool).cap`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from apps.policy import (
+    AimdController,
+    Dynamics,
+    DynamicsConfig,
+    EntitlementLimits,
+    InstanceSnapshot,
+    ResourceVector,
+    update_dynamics,
+)
+from apps.policy.aimd import DEFAULT_TTFT_BUCKETS_S, histogram_quantile
+
+# --- EWMA tick ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EntitlementFigures:
+    """What one entitlement got and wanted over one tick interval."""
+
+    served_tokens: float = 0.0
+    # Served plus refused for lack of capacity (the gateway counts a rejection's token cost).
+    demand_tokens: float = 0.0
+    in_flight: int = 0
+    kv_bytes_in_flight: float = 0.0
+    rejected: int = 0
+
+
+def dynamics_step(
+    previous: Dynamics,
+    limits: EntitlementLimits,
+    figures: EntitlementFigures,
+    elapsed_s: float,
+    config: DynamicsConfig | None = None,
+) -> Dynamics:
+    """One EWMA step from the figures of an interval of `elapsed_s` seconds.
+
+    Throughput is the tokens served per second; concurrency and KV are what is in flight at the
+    tick (the store keeps no time integral of them). Demand is never below what was served.
+    """
+    if not elapsed_s > 0:
+        raise ValueError(f"elapsed_s must be positive, got {elapsed_s!r}")
+    served_tps = max(0.0, figures.served_tokens) / elapsed_s
+    demand_tps = max(figures.demand_tokens, figures.served_tokens, 0.0) / elapsed_s
+    in_flight = max(0, figures.in_flight)
+    kv = max(0.0, figures.kv_bytes_in_flight)
+    served = ResourceVector(tokens_per_second=served_tps, kv_bytes=kv, concurrency=in_flight)
+    # A refused request wanted (at least) one more slot.
+    demand = ResourceVector(tokens_per_second=demand_tps, kv_bytes=kv, concurrency=in_flight + max(0, figures.rejected))
+    baseline = ResourceVector(
+        tokens_per_second=limits.tokens_per_second or 0.0,
+        kv_bytes=limits.kv_bytes or 0.0,
+        concurrency=limits.concurrency or 0,
+    )
+    return update_dynamics(previous, limits.service_class, baseline, demand, served, config)
+
+
+@dataclass(frozen=True, slots=True)
+class EwmaResult:
+    dynamics: Mapping[str, Dynamics]
+    # Token demand per pool (tokens/s) over the interval: the autoscaling tick's observed throughput.
+    pool_demand_tps: Mapping[str, float]
+
+
+async def ewma_tick(
+    *,
+    store: Any,
+    entitlements: Iterable[tuple[EntitlementLimits, str]],
+    elapsed_s: float,
+    config: DynamicsConfig | None = None,
+) -> EwmaResult:
+    """Drain every entitlement's counters from the gateway state store, step its EWMAs, write them back.
+
+    `store` is an `apps.gateway.state.GatewayStateStore` (memory or Redis); `entitlements` are
+    `(limits, pool name)` pairs.
+    """
+    updated: dict[str, Dynamics] = {}
+    demand: dict[str, float] = {}
+    for limits, pool in entitlements:
+        name = limits.entitlement_id
+        usage = await store.entitlement_usage(limits=limits)
+        counters = await store.served_drain(entitlement=name)
+        figures = EntitlementFigures(
+            served_tokens=counters.tokens,
+            demand_tokens=counters.demand_tokens,
+            in_flight=usage.in_flight,
+            kv_bytes_in_flight=usage.kv_bytes_in_flight,
+            rejected=counters.rejected,
+        )
+        new = dynamics_step(Dynamics(debt=usage.debt, burst=usage.burst), limits, figures, elapsed_s, config)
+        await store.dynamics_set(entitlement=name, debt=new.debt, burst=new.burst)
+        updated[name] = new
+        demand[pool] = demand.get(pool, 0.0) + max(figures.demand_tokens, figures.served_tokens) / elapsed_s
+    return EwmaResult(updated, demand)
+
+
+# --- shared control state -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AimdRecord:
+    """A pool's AIMD controller between ticks, and what its last tick saw (for logs, the UI, tests)."""
+
+    cap: int
+    cooldown_left: int = 0
+    last_action: str = ""
+    p99_s: float | None = None
+    samples: int = 0
+    min_cap: int = 1
+    max_cap: int = 1
+    ticks: int = 0
+
+
+class ControlState(ABC):
+    """State of the control loops themselves, shared by whoever runs the ticks and the gateways."""
+
+    bounds: tuple[float, ...] = DEFAULT_TTFT_BUCKETS_S
+
+    def bucket(self, seconds: float) -> int:
+        return _bucket_index(self.bounds, seconds)
+
+    @abstractmethod
+    def ttft_observe(self, pool: str, seconds: float) -> None:
+        """Count one TTFT observation into the pool's current window slice (gateways call this)."""
+
+    @abstractmethod
+    def ttft_add(self, pool: str, counts: Sequence[int]) -> None:
+        """Add bucket counts (`bounds` + the +Inf bucket) at once: a gateway flushing its own
+        per-process histogram every second instead of one write per request."""
+
+    @abstractmethod
+    def ttft_rotate(self, pool: str, window_ticks: int) -> list[int]:
+        """Close the current slice and return the bucket counts of the last `window_ticks` slices."""
+
+    @abstractmethod
+    def aimd_load(self, pool: str) -> AimdRecord | None: ...
+
+    @abstractmethod
+    def aimd_save(self, pool: str, record: AimdRecord) -> None: ...
+
+    @abstractmethod
+    def swap_last_run(self, tick: str, now: float) -> float | None:
+        """Record `now` as the tick's last run; return the previous one (None the first time)."""
+
+    @abstractmethod
+    def pool_demand_set(self, demand_tps: Mapping[str, float]) -> None: ...
+
+    @abstractmethod
+    def pool_demand(self) -> dict[str, float]: ...
+
+    @abstractmethod
+    def desired_replicas_set(self, desired: Mapping[str, int]) -> None:
+        """The autoscaling tick's result, for readers that must not touch the ORM (the gateway's gauges)."""
+
+    @abstractmethod
+    def desired_replicas(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def instances_set(self, pool: str, snapshots: Sequence[InstanceSnapshot]) -> None:
+        """The scrape's per-replica saturation inputs of a pool (replacing the previous ones)."""
+
+    @abstractmethod
+    def instances(self, pool: str) -> list[InstanceSnapshot]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+def _bucket_index(bounds: Sequence[float], seconds: float) -> int:
+    import bisect
+
+    if seconds != seconds or seconds < 0:
+        raise ValueError(f"a latency must be a non-negative number, got {seconds!r}")
+    return bisect.bisect_left(bounds, seconds)
+
+
+class MemoryControlState(ControlState):
+    """One process's control state (the embedded server, the standalone loop without Redis)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: dict[str, list[int]] = {}
+        self._windows: dict[str, deque[list[int]]] = {}
+        self._aimd: dict[str, AimdRecord] = {}
+        self._last: dict[str, float] = {}
+        self._demand: dict[str, float] = {}
+        self._desired: dict[str, int] = {}
+        self._instances: dict[str, list[InstanceSnapshot]] = {}
+
+    def ttft_observe(self, pool: str, seconds: float) -> None:
+        index = self.bucket(seconds)
+        with self._lock:
+            counts = self._current.setdefault(pool, [0] * (len(self.bounds) + 1))
+            counts[index] += 1
+
+    def ttft_add(self, pool: str, counts: Sequence[int]) -> None:
+        with self._lock:
+            current = self._current.setdefault(pool, [0] * (len(self.bounds) + 1))
+            for index, count in enumerate(counts[: len(current)]):
+                current[index] += int(count)
+
+    def ttft_rotate(self, pool: str, window_ticks: int) -> list[int]:
+        with self._lock:
+            current = self._current.pop(pool, [0] * (len(self.bounds) + 1))
+            window = self._windows.setdefault(pool, deque(maxlen=window_ticks))
+            if window.maxlen != window_ticks:
+                window = self._windows[pool] = deque(window, maxlen=window_ticks)
+            window.appendleft(current)
+            return [sum(column) for column in zip(*window, strict=True)]
+
+    def aimd_load(self, pool: str) -> AimdRecord | None:
+        with self._lock:
+            return self._aimd.get(pool)
+
+    def aimd_save(self, pool: str, record: AimdRecord) -> None:
+        with self._lock:
+            self._aimd[pool] = record
+
+    def swap_last_run(self, tick: str, now: float) -> float | None:
+        with self._lock:
+            previous = self._last.get(tick)
+            self._last[tick] = now
+            return previous
+
+    def pool_demand_set(self, demand_tps: Mapping[str, float]) -> None:
+        with self._lock:
+            self._demand = dict(demand_tps)
+
+    def pool_demand(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._demand)
+
+    def desired_replicas_set(self, desired: Mapping[str, int]) -> None:
+        with self._lock:
+            self._desired = dict(desired)
+
+    def desired_replicas(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._desired)
+
+    def instances_set(self, pool: str, snapshots: Sequence[InstanceSnapshot]) -> None:
+        with self._lock:
+            self._instances[pool] = list(snapshots)
+
+    def instances(self, pool: str) -> list[InstanceSnapshot]:
+        with self._lock:
+            return list(self._instances.get(pool, ()))
+
+
+# Take the current slice and delete it in one step, so no observation falls between read and reset.
+_TAKE_SLICE = """
+local values = redis.call('HGETALL', KEYS[1])
+redis.call('DEL', KEYS[1])
+return values
+"""
+
+
+class RedisControlState(ControlState):
+    """The control state in Redis, shared by the Celery worker and every gateway process.
+
+    Keys (prefix `tokenpools:ctl:`): `ttft:{pool}:current` (hash bucket -> count, HINCRBY by the
+    gateways), `ttft:{pool}:window` (list of JSON slices, newest first), `aimd:{pool}` (hash: the
+    AimdRecord; `cap` is the pool budget gateways read), `last:{tick}`, `demand_tps` (hash pool -> tokens/s), `desired_replicas` (hash pool -> replicas),
+    `instances:{pool}` (JSON list of the scrape's InstanceSnapshots).
+    """
+
+    PREFIX = "tokenpools:ctl:"
+
+    def __init__(self, *, url: str | None = None, client: Any = None) -> None:
+        import redis
+
+        if client is None and not url:
+            raise ValueError("RedisControlState needs a Redis URL or client")
+        # Any: redis-py's stubs type replies as bytes | str; with decode_responses they are str.
+        self.redis: Any = client or redis.Redis.from_url(str(url), decode_responses=True)
+        self._take = self.redis.register_script(_TAKE_SLICE)
+
+    def _key(self, *parts: str) -> str:
+        return self.PREFIX + ":".join(parts)
+
+    def ttft_observe(self, pool: str, seconds: float) -> None:
+        self.redis.hincrby(self._key("ttft", pool, "current"), str(self.bucket(seconds)), 1)
+
+    def ttft_add(self, pool: str, counts: Sequence[int]) -> None:
+        key = self._key("ttft", pool, "current")
+        pipe = self.redis.pipeline(transaction=False)
+        for index, count in enumerate(counts[: len(self.bounds) + 1]):
+            if count:
+                pipe.hincrby(key, str(index), int(count))
+        pipe.execute()
+
+    def ttft_rotate(self, pool: str, window_ticks: int) -> list[int]:
+        flat = self._take(keys=[self._key("ttft", pool, "current")])
+        current = [0] * (len(self.bounds) + 1)
+        for index, count in zip(flat[::2], flat[1::2], strict=True):
+            position = int(index)
+            if 0 <= position < len(current):
+                current[position] += int(count)
+        window_key = self._key("ttft", pool, "window")
+        pipe = self.redis.pipeline()
+        pipe.lpush(window_key, json.dumps(current))
+        pipe.ltrim(window_key, 0, window_ticks - 1)
+        pipe.lrange(window_key, 0, window_ticks - 1)
+        slices = pipe.execute()[-1]
+        totals = [0] * len(current)
+        for raw in slices:
+            for position, count in enumerate(json.loads(raw)[: len(totals)]):
+                totals[position] += int(count)
+        return totals
+
+    def aimd_load(self, pool: str) -> AimdRecord | None:
+        raw = self.redis.hgetall(self._key("aimd", pool))
+        if not raw or "cap" not in raw:
+            return None
+        p99 = raw.get("p99_s", "")
+        return AimdRecord(
+            cap=int(raw["cap"]),
+            cooldown_left=int(raw.get("cooldown_left", 0)),
+            last_action=raw.get("last_action", ""),
+            p99_s=float(p99) if p99 not in ("", "None") else None,
+            samples=int(raw.get("samples", 0)),
+            min_cap=int(raw.get("min_cap", 1)),
+            max_cap=int(raw.get("max_cap", raw["cap"])),
+            ticks=int(raw.get("ticks", 0)),
+        )
+
+    def aimd_save(self, pool: str, record: AimdRecord) -> None:
+        mapping = {k: ("" if v is None else str(v)) for k, v in asdict(record).items()}
+        self.redis.hset(self._key("aimd", pool), mapping=mapping)
+
+    def swap_last_run(self, tick: str, now: float) -> float | None:
+        previous = self.redis.getset(self._key("last", tick), repr(now))
+        return None if previous is None else float(previous)
+
+    def pool_demand_set(self, demand_tps: Mapping[str, float]) -> None:
+        key = self._key("demand_tps")
+        pipe = self.redis.pipeline()
+        pipe.delete(key)
+        if demand_tps:
+            pipe.hset(key, mapping={pool: repr(float(v)) for pool, v in demand_tps.items()})
+        pipe.execute()
+
+    def pool_demand(self) -> dict[str, float]:
+        return {pool: float(v) for pool, v in self.redis.hgetall(self._key("demand_tps")).items()}
+
+    def desired_replicas_set(self, desired: Mapping[str, int]) -> None:
+        key = self._key("desired_replicas")
+        pipe = self.redis.pipeline()
+        pipe.delete(key)
+        if desired:
+            pipe.hset(key, mapping={pool: str(int(v)) for pool, v in desired.items()})
+        pipe.execute()
+
+    def desired_replicas(self) -> dict[str, int]:
+        return {pool: int(v) for pool, v in self.redis.hgetall(self._key("desired_replicas")).items()}
+
+    def instances_set(self, pool: str, snapshots: Sequence[InstanceSnapshot]) -> None:
+        self.redis.set(self._key("instances", pool), json.dumps([asdict(s) for s in snapshots]))
+
+    def instances(self, pool: str) -> list[InstanceSnapshot]:
+        raw = self.redis.get(self._key("instances", pool))
+        return [InstanceSnapshot(**item) for item in json.loads(raw)] if raw else []
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+# --- AIMD tick ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AimdParams:
+    target_p99_s: float = 2.0
+    window_ticks: int = 6  # 30 s window / 5 s tick
+    band: float = 0.2
+    cooldown_ticks: int = 3
+    min_samples: int = 10
+    min_budget: int = 1
+
+
+def aimd_tick(
+    *,
+    state: ControlState,
+    pools: Mapping[str, int],
+    params: AimdParams,
+    in_flight: Mapping[str, int] | None = None,
+) -> dict[str, AimdRecord]:
+    """One AIMD step for every pool (`pools`: name -> concurrency capacity, the budget ceiling).
+
+    Demand (the gate on increases) is anything in flight on the pool (when the caller knows it) or
+    any TTFT observed in the window: a pool that answered requests lately had demand.
+    """
+    records: dict[str, AimdRecord] = {}
+    for pool, capacity in pools.items():
+        max_cap = max(1, int(capacity))
+        min_cap = min(max(1, params.min_budget), max_cap)
+        previous = state.aimd_load(pool)
+        cap = max_cap if previous is None else min(max(previous.cap, min_cap), max_cap)
+        controller = AimdController(
+            params.target_p99_s, min_cap, max_cap, band=params.band, cooldown_ticks=params.cooldown_ticks,
+            min_samples=params.min_samples, initial_cap=cap,
+        )
+        controller.cooldown_left = 0 if previous is None else max(0, previous.cooldown_left)
+        counts = state.ttft_rotate(pool, params.window_ticks)
+        samples = sum(counts)
+        p99 = histogram_quantile(0.99, state.bounds, counts)
+        has_demand = bool((in_flight or {}).get(pool, 0)) or samples > 0
+        controller.tick(None if p99 is None or math.isnan(p99) else p99, samples, has_demand)
+        record = AimdRecord(
+            cap=controller.cap, cooldown_left=controller.cooldown_left, last_action=controller.last_action,
+            p99_s=p99, samples=samples, min_cap=min_cap, max_cap=max_cap,
+            ticks=(previous.ticks if previous else 0) + 1,
+        )
+        state.aimd_save(pool, record)
+        records[pool] = record
+    return records
