@@ -11,7 +11,8 @@
 4. token budget: the entitlement's token bucket at `lambda_e` must hold `n_in + max_tokens`
    (`rate_limit_exceeded`), and KV bytes in flight stay within `chi_e`, with the same borrowing
    rule (`kv_cache_limit_exceeded`);
-5. pool contention: when the pool is full or saturated, a request whose priority (1) does not
+5. pool contention: when the pool is full or saturated (saturation alone never turns away a dedicated or
+   guaranteed request within its reserved baseline), a request whose priority (1) does not
    exceed the admission threshold (the minimum priority among admitted requests) is rejected
    (`pool_contended`); one above it is queued for the next free slot ahead of lower priorities and
    may evict in-flight preemptible work of lower priority.
@@ -426,7 +427,12 @@ def admit(
     # (5) pool contention
     slo_ms = limits.slo_target_ms if requested_slo is None else requested_slo
     priority = request_priority(traits, slo_ms, pool.mean_slo_ms, usage.burst, usage.debt, config)
-    contended = free_slots <= 0 or free_kv < kv_needed or pool.saturation >= 1.0
+    # Saturation throttles capacity nobody reserved: a dedicated or guaranteed request within its own
+    # baseline runs on capacity the pool promised it (seed 000, Table 1: never shrunk), so a backend's
+    # queue alone does not turn it away; only a pool that is really full does.
+    within_reservation = traits.reserved and not borrowed
+    saturated = pool.saturation >= 1.0 and not within_reservation
+    contended = free_slots <= 0 or free_kv < kv_needed or saturated
     if not contended:
         return AdmissionDecision(
             True,

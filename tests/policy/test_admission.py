@@ -163,6 +163,23 @@ def test_check_5_pool_contention_threshold() -> None:
     assert saturated.reason == "pool_contended"
 
 
+@pytest.mark.parametrize("service_class", ["guaranteed", "dedicated"])
+def test_saturation_alone_never_turns_away_a_reserved_request_within_its_baseline(service_class: str) -> None:
+    saturated_pool = PoolUsage(16, running=8, saturation=1.5, admission_threshold=10_000.0, mean_slo_ms=1000)
+    within = admit(limits(service_class=service_class), EntitlementUsage(in_flight=3, running=3), saturated_pool,
+                   request())
+    assert within.admitted and not within.borrowed
+    # Beyond its baseline a dedicated request borrows like anyone else, and saturation applies again.
+    if service_class == "dedicated":
+        beyond = admit(limits(service_class=service_class), EntitlementUsage(in_flight=4, running=4),
+                       saturated_pool, request())
+        assert beyond.reason == "pool_contended"
+    # A really full pool still contends, reserved or not.
+    full = PoolUsage(16, running=16, admission_threshold=10_000.0, mean_slo_ms=1000)
+    assert admit(limits(service_class=service_class), EntitlementUsage(in_flight=3, running=3), full,
+                 request()).reason in {"pool_contended", "queued"}
+
+
 def test_request_slo_override_changes_priority_and_tier() -> None:
     base = admit(limits(), EntitlementUsage(), POOL, request())
     tight = admit(limits(), EntitlementUsage(), POOL,

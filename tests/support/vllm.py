@@ -90,3 +90,38 @@ def stop_process_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@contextlib.contextmanager
+def running_engine(
+    max_num_seqs: int = 16, policy: str = "token-pd", kv_budget_mib: int = 64, startup_timeout_s: float = 180.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start our own engine (workers/engine) on the same tiny model, serving vLLM's API under the same name."""
+    model = ensure_tiny_model()
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="engine-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "engine", "--model", str(model), "--served-model-name", SERVED_MODEL_NAME,
+         "--policy", policy, "--kv-budget-mib", str(kv_budget_mib), "--max-num-seqs", str(max_num_seqs),
+         "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                tail = Path(log.name).read_text(errors="replace")[-3000:]
+                raise ServiceUnavailable(f"the engine exited with code {proc.returncode}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"the engine did not answer /health within {startup_timeout_s:.0f}s")
+            time.sleep(0.5)
+        yield base_url, proc
+    finally:
+        stop_process_group(proc)
+        log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(log.name)
