@@ -27,7 +27,8 @@ from pathlib import Path
 import httpx
 
 from bench.results import machine_description, write_section
-from tests.support.services import free_port, running_redis, wait_for_port
+from tests.support.manifests import documents, entitlement, tiny_pool
+from tests.support.services import free_port, running_redis, stop_process_group, wait_for_port
 from tests.support.site import PreparedSite, prepare_site, serving
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,13 +69,7 @@ def _process(cmd: list[str], env: dict[str, str] | None = None, log: Path | None
     try:
         yield proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop_process_group(proc)
         if log:
             out.close()
 
@@ -116,33 +111,15 @@ http {{
         yield f"http://127.0.0.1:{port}"
 
 
-MANIFEST = f"""
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenPool
-metadata: {{name: {MODEL}}}
-spec:
-  model: {MODEL}
-  backend: {{kind: vllm, replicas: [{{url: "UPSTREAM"}}]}}
-  scaling: {{minReplicas: 1, maxReplicas: 1}}
-  capacityPerReplica: {{slots: 100000, tokensPerSecond: 1000000000, kvCacheGiB: 100000}}
-  kvGeometry: {{layers: 4, kvHeads: 2, headDim: 64, bytesPerElement: 2}}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {{name: bench}}
-spec:
-  tenantId: bench
-  poolRef: {{name: {MODEL}}}
-  qos: {{serviceClass: dedicated, sloTargetMs: 1000}}
-  resources: {{tokensPerSecond: 100000000, kvCacheGiB: 1000, concurrency: 50000}}
-"""
-
-
 def prepare_bench_site(workdir: Path, upstream: str) -> PreparedSite:
     """A fresh site with one pool on the upstream and one roomy dedicated entitlement (never the limit)."""
     env = {"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"}
-    return prepare_site(workdir, tenants=["bench"], manifest=MANIFEST.replace("UPSTREAM", upstream),
-                        key_for=["bench"], env=env)
+    manifest = documents(
+        tiny_pool(MODEL, upstream, slots=100_000, tokens_per_second=1_000_000_000, kv_cache_gib=100_000),
+        entitlement("bench", tenant="bench", pool=MODEL, service_class="dedicated", concurrency=50_000,
+                    tokens_per_second=100_000_000, kv_cache_gib=1000, slo_target_ms=1000),
+    )
+    return prepare_site(workdir, tenants=["bench"], manifest=manifest, key_for=["bench"], env=env)
 
 
 @contextlib.contextmanager

@@ -14,59 +14,25 @@ import httpx
 import openai
 import pytest
 
+from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.site import PreparedSite, prepare_site, server_log, serving
 from tests.support.vllm import SERVED_MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # The seed's Experiment 1 on a 16-slot pool: two guaranteed entitlements of 6 slots and a spot one of 10.
-MANIFEST = """
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenPool
-metadata: {name: tiny}
-spec:
-  model: tiny
-  backend: {kind: vllm, replicas: [{url: "VLLM_URL"}]}
-  scaling: {minReplicas: 1, maxReplicas: 1}
-  capacityPerReplica: {slots: 16, tokensPerSecond: 1000000, kvCacheGiB: 1}
-  kvGeometry: {layers: 4, kvHeads: 2, headDim: 64, bytesPerElement: 4}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: guaranteed-a}
-spec:
-  tenantId: acme
-  poolRef: {name: tiny}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
-  resources: {tokensPerSecond: 200000, kvCacheGiB: 0.25, concurrency: 6}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: guaranteed-c}
-spec:
-  tenantId: acme
-  poolRef: {name: tiny}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
-  resources: {tokensPerSecond: 200000, kvCacheGiB: 0.25, concurrency: 6}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: spot-b}
-spec:
-  tenantId: globex
-  poolRef: {name: tiny}
-  qos: {serviceClass: spot, sloTargetMs: 30000}
-  resources: {tokensPerSecond: 200000, kvCacheGiB: 0.25, concurrency: 10}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: single-slot}
-spec:
-  tenantId: acme
-  poolRef: {name: tiny}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
-  resources: {tokensPerSecond: 100000, kvCacheGiB: 0.05, concurrency: 1}
-"""
+def manifest(backend_url: str) -> str:
+    return documents(
+        tiny_pool("tiny", backend_url),
+        entitlement("guaranteed-a", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=6),
+        entitlement("guaranteed-c", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=6),
+        entitlement("spot-b", tenant="globex", pool="tiny", service_class="spot", concurrency=10,
+                    slo_target_ms=30000),
+        entitlement("single-slot", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=1,
+                    tokens_per_second=100_000, kv_cache_gib=0.05),
+    )
+
+
 KEYS = ["guaranteed-a", "guaranteed-c", "spot-b", "single-slot"]
 
 
@@ -74,7 +40,7 @@ KEYS = ["guaranteed-a", "guaranteed-c", "spot-b", "single-slot"]
 def site(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, PreparedSite]]:
     backend_url: str = request.getfixturevalue(request.param)
     workdir: Path = tmp_path_factory.mktemp(f"gateway-{request.param}")
-    prepared = prepare_site(workdir, tenants=["acme", "globex"], manifest=MANIFEST.replace("VLLM_URL", backend_url),
+    prepared = prepare_site(workdir, tenants=["acme", "globex"], manifest=manifest(backend_url),
                             key_for=KEYS, env={"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"})
     with serving(prepared) as (url, _process):
         yield url, prepared

@@ -13,32 +13,11 @@ import httpx
 import openai
 import pytest
 
+from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.site import prepare_site, server_log, serving
 from tests.support.vllm import SERVED_MODEL_NAME, running_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-MANIFEST = """
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenPool
-metadata: {name: tiny}
-spec:
-  model: tiny
-  backend: {kind: vllm, replicas: [{url: "VLLM_URL"}]}
-  scaling: {minReplicas: 1, maxReplicas: 1}
-  capacityPerReplica: {slots: 16, tokensPerSecond: 1000000, kvCacheGiB: 1}
-  kvGeometry: {layers: 4, kvHeads: 2, headDim: 64, bytesPerElement: 4}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: victim}
-spec:
-  tenantId: acme
-  poolRef: {name: tiny}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
-  resources: {tokensPerSecond: 200000, kvCacheGiB: 0.25, concurrency: 4}
-"""
-
 
 def _metric_sum(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -47,7 +26,8 @@ def _metric_sum(url: str, name: str) -> float:
 
 def test_backend_killed_mid_stream_errors_the_client_and_releases_the_slot(tmp_path: Path) -> None:
     with running_vllm(max_num_seqs=16) as (vllm_url, vllm_process):
-        site = prepare_site(tmp_path, tenants=["acme"], manifest=MANIFEST.replace("VLLM_URL", vllm_url),
+        site = prepare_site(tmp_path, tenants=["acme"], manifest=documents(tiny_pool("tiny", vllm_url), entitlement(
+                                "victim", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=4)),
                             key_for=["victim"], env={"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"})
         with serving(site) as (url, _gateway):
             client = openai.OpenAI(base_url=f"{url}/v1", api_key=site.keys["victim"], max_retries=0, timeout=60)

@@ -157,3 +157,54 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Stop a server started with ``start_new_session=True`` and everything it forked (vLLM forks an engine
+    core; uvicorn may fork workers): SIGTERM to the group, SIGKILL if it does not go."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def running_http_server(
+    cmd: list[str], *, port: int, name: str, startup_timeout_s: float, cwd: Path | None = None,
+    env: dict[str, str] | None = None, health_path: str = "/health",
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start `cmd` (which must listen on 127.0.0.1:`port`) in its own process group, wait until
+    `health_path` answers 200, yield (base URL, process), stop the group afterwards. When the server exits
+    or never gets healthy, the error carries the tail of its log."""
+    import httpx
+
+    log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                tail = Path(log.name).read_text(errors="replace")[-3000:]
+                raise ServiceUnavailable(f"{name} exited with code {proc.returncode}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base_url + health_path, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                tail = Path(log.name).read_text(errors="replace")[-3000:]
+                raise ServiceUnavailable(f"{name} did not answer {health_path} within {startup_timeout_s:.0f}s:\n{tail}")
+            time.sleep(0.5)
+        yield base_url, proc
+    finally:
+        stop_process_group(proc)
+        log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(log.name)

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.services import free_port, wait_for_port
+from tests.support.services import free_port, stop_process_group, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,13 +65,7 @@ def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: 
         wait_for_port(port, timeout_s=60, proc=proc)
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop_process_group(proc)
         log.close()
 
 

