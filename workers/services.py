@@ -117,6 +117,7 @@ def _period(name: str) -> float:
 
 def active_entitlement_limits() -> list[tuple[EntitlementLimits, str]]:
     """(limits, pool name) of every Bound entitlement not past its expiry."""
+    from apps.gateway.snapshot import entitlement_limits
     from apps.pools.models import EntitlementState, TokenEntitlement
 
     now = timezone.now()
@@ -125,17 +126,7 @@ def active_entitlement_limits() -> list[tuple[EntitlementLimits, str]]:
     for ent in rows:
         if ent.is_past_expiry(now):
             continue
-        limits = EntitlementLimits(
-            entitlement_id=ent.name,
-            service_class=ent.service_class,
-            tokens_per_second=float(ent.tokens_per_second),
-            kv_bytes=float(ent.kv_cache_bytes),
-            concurrency=ent.concurrency,
-            slo_target_ms=float(ent.slo_target_ms),
-            kv_bytes_per_token=float(ent.pool.bytes_per_token),
-            state="bound",
-        )
-        result.append((limits, ent.pool.name))
+        result.append((entitlement_limits(ent, kv_bytes_per_token=float(ent.pool.bytes_per_token)), ent.pool.name))
     return result
 
 

@@ -88,6 +88,26 @@ def _epoch(value: Any) -> float | None:
     return None if value is None else value.timestamp()
 
 
+def entitlement_limits(
+    ent: Any, *, kv_bytes_per_token: float, tenant_id: str = "", default_max_tokens: int = 256,
+    context_window: int = 4096,
+) -> EntitlementLimits:
+    """The policy engine's view of a `TokenEntitlement` row (the one translation from the ORM)."""
+    return EntitlementLimits(
+        entitlement_id=ent.name,
+        service_class=ent.service_class,
+        tokens_per_second=float(ent.tokens_per_second),
+        kv_bytes=float(ent.kv_cache_bytes),
+        concurrency=ent.concurrency,
+        slo_target_ms=float(ent.slo_target_ms),
+        default_max_tokens=ent.default_max_tokens or default_max_tokens,
+        context_window=context_window,
+        kv_bytes_per_token=kv_bytes_per_token,
+        state=ent.effective_state().lower(),
+        tenant_id=tenant_id,
+    )
+
+
 def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
     """Build a snapshot from the ORM (blocking; call it from a thread in async code)."""
     from apps.gateway.selectors import gateway_active_keys, gateway_pools
@@ -120,18 +140,9 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
         pool_info = pools.get(ent.pool.name)
         if pool_info is None:
             continue
-        limits = EntitlementLimits(
-            entitlement_id=ent.name,
-            service_class=ent.service_class,
-            tokens_per_second=float(ent.tokens_per_second),
-            kv_bytes=float(ent.kv_cache_bytes),
-            concurrency=ent.concurrency,
-            slo_target_ms=float(ent.slo_target_ms),
-            default_max_tokens=ent.default_max_tokens or config.default_max_tokens,
-            context_window=pool_info.context_window,
-            kv_bytes_per_token=float(pool_info.kv_bytes_per_token),
-            state=ent.effective_state().lower(),
-            tenant_id=str(key.tenant_id),
+        limits = entitlement_limits(
+            ent, kv_bytes_per_token=float(pool_info.kv_bytes_per_token), tenant_id=str(key.tenant_id),
+            default_max_tokens=config.default_max_tokens, context_window=pool_info.context_window,
         )
         keys[key.secret_hash] = KeyEntry(
             key_id=key.pk,
