@@ -6,7 +6,8 @@ Entitlements of other tenants answer 404; a tenant's members read them, its owne
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import IO, Any
 
 import django_filters
 from django.http import HttpResponse
@@ -17,11 +18,12 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.parsers import BaseParser, FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
 from rest_framework.views import APIView
 
 from apps.pools import selectors, services
 from apps.pools.manifests import ManifestError, manifests_apply, manifests_export
-from apps.pools.models import EntitlementState, ServiceClass, TokenEntitlement
+from apps.pools.models import EntitlementState, ServiceClass, TokenEntitlement, TokenPool
 from apps.pools.serializers import (
     ApplyRequestSerializer,
     EntitlementSerializer,
@@ -51,18 +53,20 @@ class PoolViewSet(viewsets.ModelViewSet):
     def get_object(self) -> Any:
         return selectors.pool_get(user=self.request.user, name=self.kwargs["name"])
 
-    def perform_create(self, serializer: PoolSerializer) -> None:
+    def perform_create(self, serializer: BaseSerializer[TokenPool]) -> None:
         data = dict(serializer.validated_data)
         serializer.instance = call_service(services.pool_create, actor=self.request.user, **data)
 
-    def perform_update(self, serializer: PoolSerializer) -> None:
+    def perform_update(self, serializer: BaseSerializer[TokenPool]) -> None:
+        pool = serializer.instance
+        assert pool is not None  # UpdateModelMixin.update() hands over the object it fetched
         data = dict(serializer.validated_data)
-        name = data.pop("name", serializer.instance.name)
-        if name != serializer.instance.name:
+        name = data.pop("name", pool.name)
+        if name != pool.name:
             raise ValidationError({"name": ["a pool cannot be renamed"]})
         replicas = data.pop("replicas", None)
         serializer.instance = call_service(
-            services.pool_update, actor=self.request.user, pool=serializer.instance, replicas=replicas, **data
+            services.pool_update, actor=self.request.user, pool=pool, replicas=replicas, **data
         )
 
     def perform_destroy(self, instance: Any) -> None:
@@ -100,13 +104,14 @@ class EntitlementViewSet(viewsets.ModelViewSet):
     def get_object(self) -> Any:
         return selectors.entitlement_get(user=self.request.user, name=self.kwargs["name"])
 
-    def perform_create(self, serializer: EntitlementSerializer) -> None:
+    def perform_create(self, serializer: BaseSerializer[TokenEntitlement]) -> None:
         serializer.instance = call_service(
             services.entitlement_create, actor=self.request.user, **serializer.validated_data
         )
 
-    def perform_update(self, serializer: EntitlementSerializer) -> None:
+    def perform_update(self, serializer: BaseSerializer[TokenEntitlement]) -> None:
         ent = serializer.instance
+        assert ent is not None  # UpdateModelMixin.update() hands over the object it fetched
         data = dict(serializer.validated_data)
         if data.pop("name", ent.name) != ent.name:
             raise ValidationError({"name": ["an entitlement cannot be renamed"]})
@@ -135,7 +140,11 @@ class YAMLTextParser(BaseParser):
 
     media_type = "application/yaml"
 
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> str:
+    # The ignore: the stub narrows parse() to a Mapping or DataAndFiles, but DRF keeps whatever a parser
+    # returns as request.data (JSONParser itself may return a list); ApplyView.post() expects this str.
+    def parse(  # type: ignore[override]
+        self, stream: IO[Any] | None, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None
+    ) -> str:
         raw = stream.read() if stream is not None else b""
         try:
             return raw.decode("utf-8")

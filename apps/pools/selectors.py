@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TypeAlias
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db.models import Prefetch, Q, QuerySet
 from django.http import Http404
 from django.utils import timezone
@@ -25,10 +23,9 @@ from apps.pools.models import (
     TokenEntitlement,
     TokenPool,
 )
+from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import Tenant
 from apps.tenancy.selectors import tenant_list
-
-AnyUser: TypeAlias = AbstractBaseUser | AnonymousUser
 
 
 def pool_list(*, user: AnyUser) -> QuerySet[TokenPool]:

@@ -84,6 +84,7 @@ class PoolSerializer(serializers.ModelSerializer):
 
     def get_usage(self, pool: TokenPool) -> dict[str, Any]:
         request = self.context.get("request")
+        assert request is not None, "PoolSerializer needs the request in its context"
         usage = pool_usage(user=request.user, pool=pool)
         return {
             "enabled_replicas": usage.enabled_replicas,
@@ -129,7 +130,11 @@ class EntitlementSerializer(serializers.ModelSerializer):
         super().__init__(*args, **kwargs)
         request = self.context.get("request")
         if request is not None:
-            self.fields["tenant"].queryset = tenant_list(user=request.user)
+            tenant_field = self.fields["tenant"]
+            assert isinstance(tenant_field, serializers.RelatedField)  # declared above
+            # The ignore: mypy applies django-stubs' Manager.__get__ to DRF-stubs' RelatedField.queryset
+            # (declared `QuerySet | Manager | None`), so any access to it reports arg-type; the code is right.
+            tenant_field.queryset = tenant_list(user=request.user)  # type: ignore[arg-type]
 
     def get_weight(self, ent: TokenEntitlement) -> float:
         return SERVICE_CLASS_WEIGHT[ent.service_class]
@@ -139,6 +144,7 @@ class EntitlementSerializer(serializers.ModelSerializer):
         # Past expires_at an entitlement is Expired, even before the periodic expiry tick has recorded it.
         if ent.effective_state() != ent.state:
             data["state"] = ent.effective_state()
+            assert ent.expires_at is not None  # only an entitlement past its expires_at changes state here
             data["state_reason"] = f"expired at {ent.expires_at.isoformat()}"
         return data
 

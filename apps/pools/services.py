@@ -22,12 +22,11 @@ each service is atomic, so a failure writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator
 from django.db import transaction
@@ -42,6 +41,7 @@ from apps.pools.models import (
     TokenEntitlement,
     TokenPool,
 )
+from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import Tenant
 from apps.tenancy.selectors import user_role
 from apps.tenancy.services import require_owner, require_superuser
@@ -116,6 +116,7 @@ def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tupl
     for ent in entitlements:
         if ent.is_past_expiry(now):
             target: str = str(EntitlementState.EXPIRED)
+            assert ent.expires_at is not None  # is_past_expiry() is False without one
             reason = f"expired at {ent.expires_at.isoformat()}"
         elif not ent.reserves_capacity:
             target = str(EntitlementState.BOUND)
@@ -204,7 +205,7 @@ def _clean_replicas(replicas: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
     return cleaned
 
 
-def _check_pool(pool: TokenPool, replicas: list[dict[str, Any]] | None) -> None:
+def _check_pool(pool: TokenPool, replicas: Sequence[Mapping[str, Any]] | None) -> None:
     errors: dict[str, list[str]] = {}
     try:
         pool.full_clean()
@@ -228,7 +229,7 @@ def _replace_replicas(pool: TokenPool, replicas: list[dict[str, Any]]) -> None:
 @transaction.atomic
 def pool_create(
     *,
-    actor: AbstractBaseUser,
+    actor: AnyUser,
     name: str,
     model_name: str,
     slots_per_replica: int,
@@ -273,7 +274,7 @@ def pool_create(
 @transaction.atomic
 def pool_update(
     *,
-    actor: AbstractBaseUser,
+    actor: AnyUser,
     pool: TokenPool,
     replicas: Iterable[Mapping[str, Any]] | None = None,
     now: datetime | None = None,
@@ -302,7 +303,7 @@ def pool_update(
 
 
 @transaction.atomic
-def pool_delete(*, actor: AbstractBaseUser, pool: TokenPool) -> None:
+def pool_delete(*, actor: AnyUser, pool: TokenPool) -> None:
     """Delete a pool that has no entitlements (superusers only)."""
     require_superuser(actor, "manage pools")
     locked = _lock_pool(pool.pk)
@@ -313,7 +314,7 @@ def pool_delete(*, actor: AbstractBaseUser, pool: TokenPool) -> None:
 
 
 @transaction.atomic
-def replica_add(*, actor: AbstractBaseUser, pool: TokenPool, url: str, enabled: bool = True) -> Replica:
+def replica_add(*, actor: AnyUser, pool: TokenPool, url: str, enabled: bool = True) -> Replica:
     """Add a replica to a pool (superusers only) and re-evaluate the pool."""
     require_superuser(actor, "manage pools")
     locked = _lock_pool(pool.pk)
@@ -329,7 +330,7 @@ def replica_add(*, actor: AbstractBaseUser, pool: TokenPool, url: str, enabled: 
 
 
 @transaction.atomic
-def replica_set_enabled(*, actor: AbstractBaseUser, replica: Replica, enabled: bool) -> Replica:
+def replica_set_enabled(*, actor: AnyUser, replica: Replica, enabled: bool) -> Replica:
     """Enable or disable a replica (superusers only); capacity changes, so the pool is re-evaluated."""
     require_superuser(actor, "manage pools")
     locked = _lock_pool(replica.pool_id)
@@ -342,7 +343,7 @@ def replica_set_enabled(*, actor: AbstractBaseUser, replica: Replica, enabled: b
 
 
 @transaction.atomic
-def replica_remove(*, actor: AbstractBaseUser, replica: Replica) -> None:
+def replica_remove(*, actor: AnyUser, replica: Replica) -> None:
     """Remove a replica (superusers only) and re-evaluate the pool."""
     require_superuser(actor, "manage pools")
     locked = _lock_pool(replica.pool_id)
@@ -364,7 +365,7 @@ def _check_entitlement(ent: TokenEntitlement) -> None:
 @transaction.atomic
 def entitlement_create(
     *,
-    actor: AbstractBaseUser,
+    actor: AnyUser,
     name: str,
     tenant: Tenant,
     pool: TokenPool,
@@ -414,7 +415,7 @@ def entitlement_create(
 
 @transaction.atomic
 def entitlement_update(
-    *, actor: AbstractBaseUser, entitlement: TokenEntitlement, now: datetime | None = None, **fields: Any
+    *, actor: AnyUser, entitlement: TokenEntitlement, now: datetime | None = None, **fields: Any
 ) -> TokenEntitlement:
     """Change an entitlement (any of ``ENTITLEMENT_FIELDS``; owners and superusers) and re-bind it.
 
@@ -441,7 +442,7 @@ def entitlement_update(
 
 
 @transaction.atomic
-def entitlement_delete(*, actor: AbstractBaseUser, entitlement: TokenEntitlement) -> None:
+def entitlement_delete(*, actor: AnyUser, entitlement: TokenEntitlement) -> None:
     """Delete an entitlement and its keys (owners and superusers); its pool's room goes to the others."""
     require_owner(actor, entitlement.tenant, "delete entitlements")
     locked = _lock_pool(entitlement.pool_id)
@@ -450,7 +451,7 @@ def entitlement_delete(*, actor: AbstractBaseUser, entitlement: TokenEntitlement
     _evaluate_pool(locked, now=timezone.now(), trigger=f"entitlement {name} deleted")
 
 
-def can_edit_entitlements(*, user: AbstractBaseUser, tenant: Tenant) -> bool:
+def can_edit_entitlements(*, user: AnyUser, tenant: Tenant) -> bool:
     """Whether the user may create/change/delete the tenant's entitlements (for UIs to show buttons)."""
     return user_role(user=user, tenant=tenant) == "owner"
 

@@ -14,10 +14,11 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
 
 from apps.tenancy import selectors, services
 from apps.tenancy.apiutils import call_service
-from apps.tenancy.models import ApiKey, Membership
+from apps.tenancy.models import ApiKey, Membership, Tenant
 from apps.tenancy.permissions import SuperuserCreates
 from apps.tenancy.serializers import (
     ApiKeyCreatedSerializer,
@@ -42,10 +43,10 @@ class TenantViewSet(viewsets.ModelViewSet):
     def get_object(self) -> Any:
         return selectors.tenant_get(user=self.request.user, slug=self.kwargs["slug"])
 
-    def perform_create(self, serializer: TenantSerializer) -> None:
+    def perform_create(self, serializer: BaseSerializer[Tenant]) -> None:
         serializer.instance = call_service(services.tenant_create, actor=self.request.user, **serializer.validated_data)
 
-    def perform_update(self, serializer: TenantSerializer) -> None:
+    def perform_update(self, serializer: BaseSerializer[Tenant]) -> None:
         serializer.instance = call_service(
             services.tenant_update, actor=self.request.user, tenant=serializer.instance, **serializer.validated_data
         )
@@ -72,7 +73,7 @@ class UserViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Creat
         """The signed-in user with their roles."""
         return Response(UserSerializer(request.user, context=self.get_serializer_context()).data)
 
-    def perform_create(self, serializer: UserSerializer) -> None:
+    def perform_create(self, serializer: BaseSerializer[Any]) -> None:
         data = serializer.validated_data
         serializer.instance = call_service(
             services.user_create,
@@ -106,15 +107,16 @@ class MembershipViewSet(viewsets.ModelViewSet):
     def get_object(self) -> Any:
         return selectors.membership_get(user=self.request.user, membership_id=self.kwargs["pk"])
 
-    def perform_create(self, serializer: MembershipSerializer) -> None:
+    def perform_create(self, serializer: BaseSerializer[Membership]) -> None:
         data = serializer.validated_data
         serializer.instance = call_service(
             services.membership_set, actor=self.request.user, tenant=data["tenant"], user=data["user"],
             role=data["role"],
         )
 
-    def perform_update(self, serializer: MembershipSerializer) -> None:
+    def perform_update(self, serializer: BaseSerializer[Membership]) -> None:
         membership = serializer.instance
+        assert membership is not None  # UpdateModelMixin.update() hands over the object it fetched
         data = serializer.validated_data
         if ("tenant" in data and data["tenant"] != membership.tenant) or ("user" in data and data["user"] != membership.user):
             from rest_framework.exceptions import ValidationError

@@ -11,17 +11,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 from datetime import datetime
-from typing import Any, TypeAlias
+from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
 from django.db.models import QuerySet
 from django.http import Http404
 from django.utils import timezone
 
+from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import ApiKey, Membership, Role, Tenant
-
-AnyUser: TypeAlias = AbstractBaseUser | AnonymousUser
 
 
 def _is_superuser(user: AnyUser) -> bool:
@@ -34,6 +32,8 @@ def tenant_list(*, user: AnyUser) -> QuerySet[Tenant]:
         return Tenant.objects.all()
     if not getattr(user, "is_authenticated", False):
         return Tenant.objects.none()
+    # Past both checks only a login is left (SYSTEM is a superuser, the anonymous user is not authenticated).
+    assert isinstance(user, get_user_model())
     return Tenant.objects.filter(memberships__user=user).distinct()
 
 
@@ -51,6 +51,8 @@ def user_role(*, user: AnyUser, tenant: Tenant) -> str | None:
         return str(Role.OWNER)
     if not getattr(user, "is_authenticated", False):
         return None
+    # Past both checks only a login is left (SYSTEM is a superuser, the anonymous user is not authenticated).
+    assert isinstance(user, get_user_model())
     return Membership.objects.filter(tenant=tenant, user=user).values_list("role", flat=True).first()
 
 
@@ -64,6 +66,8 @@ def owned_tenant_ids(*, user: AnyUser) -> set[int]:
         return set(Tenant.objects.values_list("id", flat=True))
     if not getattr(user, "is_authenticated", False):
         return set()
+    # Past both checks only a login is left (SYSTEM is a superuser, the anonymous user is not authenticated).
+    assert isinstance(user, get_user_model())
     return set(Membership.objects.filter(user=user, role=Role.OWNER).values_list("tenant_id", flat=True))
 
 

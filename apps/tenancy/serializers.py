@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser
 from rest_framework import serializers
 
 from apps.pools.selectors import entitlement_list
@@ -67,15 +68,24 @@ class MembershipSerializer(serializers.ModelSerializer):
         super().__init__(*args, **kwargs)
         user = _request_user(self)
         if user is not None:
-            self.fields["tenant"].queryset = tenant_list(user=user)
+            tenant_field, user_field = self.fields["tenant"], self.fields["user"]
+            assert isinstance(tenant_field, serializers.RelatedField)  # both declared above
+            assert isinstance(user_field, serializers.RelatedField)
+            # The ignores: mypy applies django-stubs' Manager.__get__ to DRF-stubs' RelatedField.queryset
+            # (declared `QuerySet | Manager | None`), so any access to it reports arg-type; the code is right.
+            tenant_field.queryset = tenant_list(user=user)  # type: ignore[arg-type]
             # Any existing login may be added to a tenant by its owner (superusers create the logins).
-            self.fields["user"].queryset = get_user_model().objects.filter(is_active=True)
+            user_field.queryset = get_user_model().objects.filter(is_active=True)  # type: ignore[arg-type]
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
     entitlement = serializers.SlugRelatedField(slug_field="name", queryset=ApiKey.objects.none())
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_by: serializers.SlugRelatedField[AbstractBaseUser] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
     status = serializers.CharField(read_only=True)
 
     class Meta:
@@ -89,7 +99,10 @@ class ApiKeySerializer(serializers.ModelSerializer):
         super().__init__(*args, **kwargs)
         user = _request_user(self)
         if user is not None:
-            self.fields["entitlement"].queryset = entitlement_list(user=user)
+            entitlement_field = self.fields["entitlement"]
+            assert isinstance(entitlement_field, serializers.RelatedField)  # declared above
+            # The ignore: a clash of the stubs on RelatedField.queryset, see MembershipSerializer.__init__.
+            entitlement_field.queryset = entitlement_list(user=user)  # type: ignore[arg-type]
 
 
 class ApiKeyCreatedSerializer(ApiKeySerializer):

@@ -13,11 +13,14 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+# SYSTEM and SystemActor live in apps.tenancy.actors; re-exported here, where commands and tests import them.
+from apps.tenancy.actors import SYSTEM as SYSTEM
+from apps.tenancy.actors import AnyUser
+from apps.tenancy.actors import SystemActor as SystemActor
 from apps.tenancy.models import ApiKey, Membership, Role, Tenant
 from apps.tenancy.selectors import apikey_hash, user_role
 
@@ -26,12 +29,12 @@ KEY_PREFIX = "tp-"
 DISPLAY_PREFIX_CHARS = 8
 
 
-def require_superuser(actor: AbstractBaseUser, action: str) -> None:
+def require_superuser(actor: AnyUser, action: str) -> None:
     if not (getattr(actor, "is_active", False) and getattr(actor, "is_superuser", False)):
         raise PermissionDenied(f"only platform operators (superusers) may {action}")
 
 
-def require_owner(actor: AbstractBaseUser, tenant: Tenant, action: str) -> None:
+def require_owner(actor: AnyUser, tenant: Tenant, action: str) -> None:
     if user_role(user=actor, tenant=tenant) != Role.OWNER:
         raise PermissionDenied(f"only owners of tenant {tenant.slug!r} may {action}")
 
@@ -44,7 +47,7 @@ def _full_clean(obj: Any, exclude: list[str] | None = None) -> None:
 
 
 @transaction.atomic
-def tenant_create(*, actor: AbstractBaseUser, name: str, slug: str) -> Tenant:
+def tenant_create(*, actor: AnyUser, name: str, slug: str) -> Tenant:
     """Create a tenant (superusers only). Raises ValidationError on a bad or duplicate slug."""
     require_superuser(actor, "create tenants")
     tenant = Tenant(name=name, slug=slug)
@@ -54,7 +57,7 @@ def tenant_create(*, actor: AbstractBaseUser, name: str, slug: str) -> Tenant:
 
 
 @transaction.atomic
-def tenant_update(*, actor: AbstractBaseUser, tenant: Tenant, name: str | None = None, slug: str | None = None) -> Tenant:
+def tenant_update(*, actor: AnyUser, tenant: Tenant, name: str | None = None, slug: str | None = None) -> Tenant:
     """Rename a tenant or change its slug (superusers only)."""
     require_superuser(actor, "change tenants")
     if name is not None:
@@ -67,7 +70,7 @@ def tenant_update(*, actor: AbstractBaseUser, tenant: Tenant, name: str | None =
 
 
 @transaction.atomic
-def tenant_delete(*, actor: AbstractBaseUser, tenant: Tenant) -> None:
+def tenant_delete(*, actor: AnyUser, tenant: Tenant) -> None:
     """Delete a tenant with its memberships, entitlements and keys (superusers only); rebinds its pools."""
     require_superuser(actor, "delete tenants")
     from apps.pools.services import pool_rebind  # pools depends on tenancy, import late
@@ -83,7 +86,7 @@ def tenant_delete(*, actor: AbstractBaseUser, tenant: Tenant) -> None:
 
 @transaction.atomic
 def user_create(
-    *, actor: AbstractBaseUser, username: str, password: str | None, email: str = "", is_superuser: bool = False
+    *, actor: AnyUser, username: str, password: str | None, email: str = "", is_superuser: bool = False
 ) -> Any:
     """Create a login (superusers only). ``password=None`` creates a user who cannot log in by password."""
     require_superuser(actor, "create users")
@@ -105,7 +108,7 @@ def user_create(
 
 
 @transaction.atomic
-def membership_set(*, actor: AbstractBaseUser, tenant: Tenant, user: Any, role: str) -> Membership:
+def membership_set(*, actor: AnyUser, tenant: Tenant, user: Any, role: str) -> Membership:
     """Give ``user`` the ``role`` in ``tenant`` (creating or changing the membership); owners and superusers."""
     require_owner(actor, tenant, "manage memberships")
     if role not in Role.values:
@@ -129,7 +132,7 @@ def _forbid_removing_last_owner(membership: Membership, new_role: str | None) ->
 
 
 @transaction.atomic
-def membership_remove(*, actor: AbstractBaseUser, membership: Membership) -> None:
+def membership_remove(*, actor: AnyUser, membership: Membership) -> None:
     """Remove a user's role in a tenant (owners and superusers); the last owner cannot be removed."""
     require_owner(actor, membership.tenant, "manage memberships")
     if not getattr(actor, "is_superuser", False):
@@ -147,7 +150,7 @@ def _new_secret() -> str:
 @transaction.atomic
 def apikey_create(
     *,
-    actor: AbstractBaseUser,
+    actor: AnyUser,
     entitlement: Any,
     name: str = "",
     expires_at: datetime | None = None,
@@ -165,6 +168,9 @@ def apikey_create(
         raise ValidationError({"expires_at": ["must be in the future"]})
     if len(name or "") > 200:
         raise ValidationError({"name": ["at most 200 characters"]})
+    created_by = actor if getattr(actor, "pk", None) else None
+    # Only saved logins have a pk (SYSTEM and the anonymous user have none): a row of the user model.
+    assert created_by is None or isinstance(created_by, get_user_model())
     for _attempt in range(5):
         secret = _new_secret()
         key = ApiKey(
@@ -173,7 +179,7 @@ def apikey_create(
             name=name or "",
             prefix=secret[: len(KEY_PREFIX) + DISPLAY_PREFIX_CHARS],
             secret_hash=apikey_hash(secret),
-            created_by=actor if getattr(actor, "pk", None) else None,
+            created_by=created_by,
             created_at=now,
             expires_at=expires_at,
         )
@@ -187,7 +193,7 @@ def apikey_create(
 
 
 @transaction.atomic
-def apikey_revoke(*, actor: AbstractBaseUser, key: ApiKey, now: datetime | None = None) -> ApiKey:
+def apikey_revoke(*, actor: AnyUser, key: ApiKey, now: datetime | None = None) -> ApiKey:
     """Revoke a key (owners and superusers; members only the keys they created). Revoking twice is a no-op."""
     role = user_role(user=actor, tenant=key.tenant)
     if role is None:
@@ -205,22 +211,3 @@ def apikey_mark_used(*, key: ApiKey, now: datetime | None = None) -> None:
     when = now or timezone.now()
     ApiKey.objects.filter(pk=key.pk).update(last_used_at=when)
     key.last_used_at = when
-
-
-class SystemActor:
-    """The operator running a management command: acts with superuser rights, owns no rows."""
-
-    is_superuser = True
-    is_staff = True
-    is_active = True
-    is_authenticated = True
-    is_anonymous = False
-    pk = None
-    id = None
-    username = "system"
-
-    def __str__(self) -> str:
-        return "system"
-
-
-SYSTEM = SystemActor()
