@@ -45,11 +45,13 @@ system-deps:
 migrate: venv
 	$(BIN)/python manage.py migrate --noinput
 
+# --write-keys: the demo's load generator needs the keys' secrets (local demo only; var/ is gitignored).
 demo: migrate
-	$(BIN)/python manage.py seed_demo
+	$(BIN)/python manage.py seed_demo --write-keys var/demo-keys.json
 
+# The virtual vLLM on 127.0.0.1:8100, the site on HOST:PORT and the demo traffic; Ctrl-C stops them all.
 run: demo
-	$(BIN)/python manage.py serve --host $(HOST) --port $(PORT)
+	$(BIN)/python manage.py demo_up --host $(HOST) --port $(PORT)
 
 serve: venv
 	$(BIN)/python manage.py serve --host $(HOST) --port $(PORT)

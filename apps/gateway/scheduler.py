@@ -41,7 +41,8 @@ class PoolScheduler:
         self.scheduler = BudgetScheduler(self.capacity, default_flow=FlowConfig(), acquire_timeout_s=acquire_timeout_s)
         self.min_budget, self.min_budget_fraction = min_budget, min_budget_fraction
         self.aimd = AimdController(ttft_target_s, self._floor(self.capacity), self.capacity, initial_cap=self.capacity)
-        self.histogram = LatencyHistogram(window_ticks=window_ticks)
+        # Bounds at the deadband's edges: the controller's p99 is then a measurement, not interpolation.
+        self.histogram = LatencyHistogram(self.aimd.histogram_bounds(), window_ticks=window_ticks)
 
     def _floor(self, capacity: int) -> int:
         # Seed 002, fix #1: below some budget, cutting concurrency only lengthens the queue and the

@@ -139,6 +139,16 @@ class AimdController:
     def lower(self) -> float:
         return self.target_p99_s * (1.0 - self.band)
 
+    def histogram_bounds(self, base: Sequence[float] = DEFAULT_TTFT_BUCKETS_S) -> tuple[float, ...]:
+        """Bucket bounds for the latency histogram this controller reads: `base` plus the band edges and
+        the target. The controller compares an interpolated p99 with `target * (1 -+ band)`; with
+        Prometheus-style buckets a 2 s target's whole band (1.6..2.4 s) lies inside (1.0, 2.5], where the
+        estimate is interpolation, not a measurement (TTFTs crowding just above 1 s read as a p99 near
+        2.5 s, and the controller cuts to its floor). With the edges as bounds, `p99 > upper` holds exactly
+        when more than 1 % of the window is above `upper`, so each decision is the one the true p99 gives."""
+        edges = (self.lower, self.target_p99_s, self.upper)
+        return tuple(sorted(set(base) | {edge for edge in edges if edge > 0}))
+
     def _decreased(self) -> int:
         if self.mode == "aimd":
             # At least one below the current cap, so a factor close to 1 still makes progress.

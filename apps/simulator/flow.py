@@ -5,11 +5,11 @@ in-flight eviction) and seed 002's DRR over a global budget (`BudgetScheduler`) 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.policy.aimd import AimdController, LatencyHistogram
+from apps.policy.aimd import DEFAULT_TTFT_BUCKETS_S, AimdController, LatencyHistogram
 from apps.policy.budget import BudgetScheduler, FlowConfig
 from apps.policy.errors import PolicyConfigError
 from apps.policy.flow_control import FlowController, FlowRequest, InFlight, select_eviction_victim
@@ -178,6 +178,7 @@ class DrrAdmission:
         aimd_tick_s: float = 5.0,
         window_ticks: int = 6,
         workers: int = 1,
+        histogram_bounds_s: Sequence[float] | None = None,
     ) -> None:
         self.scheduler = BudgetScheduler(
             budget, flows, default_flow=FlowConfig(), acquire_timeout_s=acquire_timeout_s
@@ -185,10 +186,11 @@ class DrrAdmission:
         self.aimd = aimd
         self.aimd_tick_s = aimd_tick_s
         self.workers = workers
-        self.histogram = LatencyHistogram(window_ticks=window_ticks)
+        if histogram_bounds_s is None:
+            histogram_bounds_s = DEFAULT_TTFT_BUCKETS_S if aimd is None else aimd.histogram_bounds()
+        self.histogram = LatencyHistogram(histogram_bounds_s, window_ticks=window_ticks)
         self.ready: deque[SimRequest] = deque()
         self.trace = DrrTrace()
-        self._expiry_armed = False
 
     def bind(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -233,18 +235,16 @@ class DrrAdmission:
         if not result.accepted:
             return GateDecision("reject", result.reason)
         self.cluster.loop.after(0.0, self._take, result.dispatched)
-        if not self._expiry_armed:
-            self._expiry_armed = True
-            self.cluster.loop.after(self.scheduler.acquire_timeout_s / 4, self._expire)
+        if not any(ticket.item is request for ticket in result.dispatched):
+            # The gateway's acquire(timeout=...): a request still queued at its own deadline gets its 504
+            # then, not at the next sweep (a sweep every timeout/4 let queue wait run 25 % past the timeout).
+            # The epsilon keeps `now - enqueued_at >= timeout` true despite float rounding.
+            self.cluster.loop.after(self.scheduler.acquire_timeout_s + 1e-9, self._expire)
         return GateDecision("queue", "queued")
 
     def _expire(self) -> None:
-        self._expiry_armed = False
         for ticket in self.scheduler.expire(self.cluster.loop.time):
             self.cluster.expire(ticket.item, "acquire_timeout")
-        if self.scheduler.queued:
-            self._expiry_armed = True
-            self.cluster.loop.after(self.scheduler.acquire_timeout_s / 4, self._expire)
 
     def on_dispatch(self, request: SimRequest) -> None:
         return None
@@ -276,7 +276,7 @@ _DRR_KEYS = {
 }
 _AIMD_KEYS = {"enabled", "target_p99_ttft_s", "tick_s", "window_s", "cap_per_worker_min", "cap_per_worker_max",
               "cap_per_worker_initial", "target_band_pct", "cooldown_ticks", "decrease_step", "mode", "factor",
-              "min_samples"}  # fmt: skip
+              "min_samples", "histogram_buckets_s"}  # fmt: skip
 
 
 def build_drr(spec: dict[str, Any], config: SimConfig) -> DrrAdmission:
@@ -318,6 +318,11 @@ def build_drr(spec: dict[str, Any], config: SimConfig) -> DrrAdmission:
             min_samples=int(aimd_spec.get("min_samples", 10)),
             initial_cap=aimd_spec.get("cap_per_worker_initial"),
         )
+    bounds = aimd_spec.get("histogram_buckets_s") if aimd is not None else None
+    if bounds is not None and (isinstance(bounds, str) or not isinstance(bounds, Sequence)):
+        raise PolicyConfigError(
+            "admission.aimd.histogram_buckets_s must be a list of bucket bounds in seconds"
+        )
     budget = int(spec.get("budget", 32))
     return DrrAdmission(
         budget,
@@ -327,4 +332,5 @@ def build_drr(spec: dict[str, Any], config: SimConfig) -> DrrAdmission:
         aimd_tick_s=tick_s,
         window_ticks=window_ticks,
         workers=workers,
+        histogram_bounds_s=None if bounds is None else [float(bound) for bound in bounds],
     )

@@ -124,3 +124,18 @@ def test_latency_histogram_window_and_controller_integration() -> None:
         histogram.observe(-1.0)
     with pytest.raises(PolicyConfigError):
         LatencyHistogram(bounds=(2.0, 1.0))
+
+
+def test_histogram_bounds_resolve_the_deadband_so_decisions_follow_the_true_p99() -> None:
+    """TTFTs crowding just above 1 s (queue wait near a 1 s acquire timeout): the true p99 is under the
+    band's lower edge, so the controller must increase; the default buckets read it as ~2.5 s and cut."""
+    controller = AimdController(2.0, 16, 128, initial_cap=64)
+    assert {1.6, 2.0, 2.4} <= set(controller.histogram_bounds())
+    coarse, fine = LatencyHistogram(), LatencyHistogram(controller.histogram_bounds())
+    for _ in range(100):
+        coarse.observe(1.05)
+        fine.observe(1.05)
+    assert coarse.quantile(0.99) > controller.upper  # the blind spot of Prometheus-style buckets
+    assert fine.quantile(0.99) < controller.lower
+    assert controller.tick_histogram(fine, True) == 65
+    assert controller.last_action == "increase"

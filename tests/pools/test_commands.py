@@ -121,3 +121,45 @@ def test_seed_demo_generates_and_prints_a_password_once(monkeypatch: pytest.Monk
     assert get_user_model().objects.get(username="admin").check_password(password)
     again, _ = run("seed_demo")
     assert password not in again
+
+
+@pytest.mark.django_db
+def test_seed_demo_write_keys_writes_valid_keys_once_with_mode_0600(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import json
+    import stat
+
+    monkeypatch.setenv("TOKENPOOLS_ADMIN_PASSWORD", "admin-pass-for-tests")
+    keys_file = tmp_path / "var" / "demo-keys.json"
+    out, _ = run("seed_demo", "--write-keys", str(keys_file))
+    keys = json.loads(keys_file.read_text())
+    assert set(keys) == set(TokenEntitlement.objects.values_list("name", flat=True))
+    assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
+    for name, secret in keys.items():
+        key = apikey_resolve(secret=secret)
+        assert key is not None and key.entitlement.name == name
+    # Still hashed at rest: no secret appears in the key table.
+    assert not ApiKey.objects.filter(secret_hash__in=list(keys.values())).exists()
+
+    # A second run finds every key in the file: nothing new, the file keeps its keys.
+    again, _ = run("seed_demo", "--write-keys", str(keys_file))
+    assert "tp-" not in again and ApiKey.objects.count() == len(keys)
+    assert json.loads(keys_file.read_text()) == keys
+
+    # A key lost from the file (or from a database seeded without --write-keys) is replaced by a new one.
+    del keys["globex-spot"]
+    keys_file.write_text(json.dumps(keys))
+    run("seed_demo", "--write-keys", str(keys_file))
+    refreshed = json.loads(keys_file.read_text())
+    assert {k: v for k, v in refreshed.items() if k != "globex-spot"} == keys
+    assert apikey_resolve(secret=refreshed["globex-spot"]).entitlement.name == "globex-spot"
+    assert ApiKey.objects.count() == len(refreshed) + 1
+
+
+@pytest.mark.django_db
+def test_seed_demo_without_write_keys_writes_no_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TOKENPOOLS_ADMIN_PASSWORD", "admin-pass-for-tests")
+    monkeypatch.chdir(tmp_path)
+    run("seed_demo")
+    assert list(tmp_path.rglob("*")) == []

@@ -6,10 +6,17 @@ owner each (``acme-owner``, ``globex-owner``; passwords from ``TOKENPOOLS_DEMO_P
 printed once), the pool and entitlements of ``examples/demo-*.yaml`` applied through the same apply
 service as ``manage.py apply``, and one API key per demo entitlement, printed once. A second run creates
 nothing and says so.
+
+``--write-keys FILE`` is a local-demo convenience for ``make run``: the load generator needs the secrets,
+which the database only holds hashed. The command then also writes the keys it creates to FILE as JSON
+(``{"entitlement name": "secret"}``, mode 0600, merged into what FILE already holds), and an entitlement
+whose key is missing from FILE (or no longer valid) gets a new one, since an existing key cannot be read back.
+Keep FILE under ``var/`` (gitignored) and never use this outside a local demo.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
@@ -23,6 +30,7 @@ from django.db import transaction
 from apps.pools.manifests import ManifestError, manifests_apply, manifests_parse
 from apps.pools.models import TokenEntitlement
 from apps.tenancy.models import ApiKey, Membership, Role, Tenant
+from apps.tenancy.selectors import apikey_resolve
 from apps.tenancy.services import SYSTEM, apikey_create
 
 DEMO_TENANTS = (("acme", "Acme Corp"), ("globex", "Globex Corporation"))
@@ -34,6 +42,8 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--examples", default=str(Path(settings.BASE_DIR) / "examples"),
                             help="folder with the demo-*.yaml manifests")
+        parser.add_argument("--write-keys", metavar="FILE", default=None,
+                            help="local demo only: also write the demo keys as JSON to FILE (mode 0600)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         files = sorted(Path(options["examples"]).glob("demo-*.yaml"))
@@ -54,7 +64,8 @@ class Command(BaseCommand):
             for doc in result.documents:
                 self.stdout.write(f"{doc.kind}/{doc.name} {doc.action}")
             names = [d.name for d in result.documents if d.kind == "TokenEntitlement"]
-            self._keys(names)
+            keys_file = Path(options["write_keys"]) if options["write_keys"] else None
+            self._keys(names, keys_file)
 
     def _password(self, env_name: str) -> tuple[str, bool]:
         given = os.environ.get(env_name)
@@ -82,10 +93,45 @@ class Command(BaseCommand):
                 self.stdout.write(f"created user {username} (owner of {slug}), password: {shown}")
             Membership.objects.get_or_create(tenant=tenant, user=user, defaults={"role": Role.OWNER})
 
-    def _keys(self, entitlement_names: list[str]) -> None:
+    def _keys(self, entitlement_names: list[str], keys_file: Path | None) -> None:
+        known = _read_keys(keys_file) if keys_file is not None else {}
+        written: dict[str, str] = {}
         for ent in TokenEntitlement.objects.filter(name__in=entitlement_names).order_by("name"):
-            if ApiKey.objects.filter(entitlement=ent, revoked_at__isnull=True).exists():
+            if keys_file is not None:
+                resolved = apikey_resolve(secret=known[ent.name]) if ent.name in known else None
+                if resolved is not None and resolved.entitlement_id == ent.pk:
+                    self.stdout.write(f"API key for {ent.name} already in {keys_file}")
+                    continue
+            elif ApiKey.objects.filter(entitlement=ent, revoked_at__isnull=True).exists():
                 self.stdout.write(f"API key for {ent.name} already exists (not shown again)")
                 continue
             _key, secret = apikey_create(actor=SYSTEM, entitlement=ent, name="demo")
             self.stdout.write(f"API key for {ent.name} ({ent.state}): {secret}")
+            written[ent.name] = secret
+        if keys_file is not None and written:
+            _write_keys(keys_file, {**known, **written})
+            self.stdout.write(f"wrote {len(written)} demo key(s) to {keys_file} (local demo only)")
+
+
+def _read_keys(path: Path) -> dict[str, str]:
+    """The keys FILE already holds; an unreadable or foreign file counts as empty (it is rewritten)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): v for k, v in data.items() if isinstance(v, str)}
+
+
+def _write_keys(path: Path, keys: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    # Created 0600 from the start (not chmod-ed afterwards) so the secrets are never readable by others,
+    # then renamed over the old file so a reader never sees half a file.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(keys, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    os.chmod(tmp, 0o600)  # an older tmp file keeps its mode through O_CREAT
+    os.replace(tmp, path)

@@ -1,0 +1,553 @@
+"""A small load generator for the live gateway (``python manage.py loadgen --scenario FILE``).
+
+A scenario lists streams, each one API key with an open-loop request rate (Poisson or bursty gamma, with
+rate phases), token lengths, a client-side concurrency cap and streaming on or off. Arrival times and lengths
+come from the simulator's own workload code (`apps.simulator.workload` run on its event loop), so a seed
+gives the same requests here as in virtual time; this module only sends them as real HTTP requests.
+
+A 429 is obeyed, not hammered: the stream sends nothing until its `Retry-After` has passed, and the arrivals
+that fall in that window are counted as *held*. Arrivals that find the stream's cap of requests in flight
+are counted as *capped*; neither kind is queued, so the load stays open loop and memory stays flat.
+
+Plain Python plus httpx: no Django, so it also runs outside the project's settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from apps.simulator.engine import EventLoop
+from apps.simulator.instance import SimRequest
+from apps.simulator.workload import LengthSpec, RatePhase, TenantSpec, Workload, WorkloadError
+
+DEFAULT_KEYS_FILE = Path("var/demo-keys.json")
+STREAM_FIELDS = {"name", "key", "rate", "concurrency", "arrival", "cv", "input", "output", "stream",
+                 "phases", "endpoint", "start", "stop"}
+SCENARIO_FIELDS = {"model", "duration", "seed", "streams", "timeout"}
+NO_RETRY_AFTER_PAUSE_S = 1.0  # a 429 without Retry-After still pauses the stream this long
+
+
+class Writer(Protocol):
+    """Where progress and the summary go: a text file, or a management command's OutputWrapper."""
+
+    def write(self, text: str, /) -> Any: ...
+
+    def flush(self) -> Any: ...
+
+
+class ScenarioError(ValueError):
+    """A scenario that cannot be run; the message names the field (``streams[1].rate``)."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    key: str  # a secret, ``env:VAR`` or ``entitlement:NAME``; resolved by `key_resolve`
+    rate: float
+    concurrency: int
+    input: LengthSpec
+    output: LengthSpec
+    stream: bool = False
+    phases: tuple[RatePhase, ...] = ()
+    arrival: str = "poisson"
+    cv: float = 1.0
+    endpoint: str = "chat"  # or "completions"
+    start: float = 0.0
+    stop: float | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    streams: tuple[StreamSpec, ...]
+    model: str = "demo-pool"
+    duration: float = 60.0
+    seed: int = 0
+    timeout: float = 60.0  # seconds one request may take before it counts as an error
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds since the run (or the current cycle) started
+    stream: str
+    input_tokens: int
+    output_tokens: int
+
+
+# ---- parsing -----------------------------------------------------------------------------------------
+def _number(raw: Any, where: str, *, minimum: float = 0.0, integer: bool = False) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw):
+        raise ScenarioError(f"{where}: expected a number, got {raw!r}")
+    if raw < minimum:
+        raise ScenarioError(f"{where}: must be at least {minimum:g}, got {raw!r}")
+    if integer and int(raw) != raw:
+        raise ScenarioError(f"{where}: expected a whole number, got {raw!r}")
+    return float(raw)
+
+
+def _unknown(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    extra = sorted(set(raw) - allowed)
+    if extra:
+        # A typo (``concurency``) would otherwise silently fall back to a default.
+        raise ScenarioError(f"{where}.{extra[0]}: unknown field (known: {', '.join(sorted(allowed))})")
+
+
+def _phases(raw: Any, where: str) -> tuple[RatePhase, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ScenarioError(f"{where}: expected a list of {{at, rate}}, got {raw!r}")
+    phases = []
+    for i, item in enumerate(raw):
+        here = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ScenarioError(f"{here}: expected a mapping with 'at' and 'rate', got {item!r}")
+        _unknown(item, {"at", "rate"}, here)
+        for name in ("at", "rate"):
+            if name not in item:
+                raise ScenarioError(f"{here}.{name}: missing")
+        phases.append(RatePhase(_number(item["at"], f"{here}.at"), _number(item["rate"], f"{here}.rate")))
+    return tuple(sorted(phases, key=lambda p: p.at))
+
+
+def _length(raw: Any, where: str, default: int) -> LengthSpec:
+    try:
+        return LengthSpec.parse(default if raw is None else raw, where)
+    except WorkloadError as error:
+        raise ScenarioError(str(error)) from error
+
+
+def stream_parse(raw: Any, where: str) -> StreamSpec:
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{where}: expected a mapping, got {raw!r}")
+    _unknown(raw, STREAM_FIELDS, where)
+    key = raw.get("key")
+    if not isinstance(key, str) or not key.strip():
+        raise ScenarioError(f"{where}.key: expected a secret, 'env:VAR' or 'entitlement:NAME', got {key!r}")
+    default_name = key.split(":", 1)[1] if key.startswith(("entitlement:", "env:")) else ""
+    name = raw.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise ScenarioError(f"{where}.name: give each stream a name (a literal key has none to borrow)")
+    phases = _phases(raw.get("phases"), f"{where}.phases")
+    rate = _number(raw.get("rate", 0.0), f"{where}.rate")
+    if rate == 0 and not any(p.rate > 0 for p in phases):
+        raise ScenarioError(f"{where}.rate: the stream never sends (rate 0 and no phase with a rate)")
+    concurrency = int(_number(raw.get("concurrency", 16), f"{where}.concurrency", minimum=1, integer=True))
+    arrival = raw.get("arrival", "poisson")
+    if arrival not in ("poisson", "gamma"):
+        raise ScenarioError(f"{where}.arrival: expected 'poisson' or 'gamma', got {arrival!r}")
+    cv = _number(raw.get("cv", 1.0), f"{where}.cv")
+    if cv <= 0:
+        raise ScenarioError(f"{where}.cv: must be above 0, got {cv!r}")
+    stream = raw.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ScenarioError(f"{where}.stream: expected true or false, got {stream!r}")
+    endpoint = raw.get("endpoint", "chat")
+    if endpoint not in ("chat", "completions"):
+        raise ScenarioError(f"{where}.endpoint: expected 'chat' or 'completions', got {endpoint!r}")
+    start = _number(raw.get("start", 0.0), f"{where}.start")
+    stop = None if raw.get("stop") is None else _number(raw["stop"], f"{where}.stop")
+    return StreamSpec(
+        name=name, key=key.strip(), rate=rate, concurrency=concurrency,
+        input=_length(raw.get("input"), f"{where}.input", 64),
+        output=_length(raw.get("output"), f"{where}.output", 64),
+        stream=stream, phases=phases, arrival=arrival, cv=cv, endpoint=endpoint, start=start, stop=stop,
+    )
+
+
+def scenario_parse(raw: Any) -> Scenario:
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"scenario: expected a mapping with 'streams', got {type(raw).__name__}")
+    _unknown(raw, SCENARIO_FIELDS, "scenario")
+    items = raw.get("streams")
+    if not isinstance(items, list) or not items:
+        raise ScenarioError("streams: expected a non-empty list of streams")
+    streams = tuple(stream_parse(item, f"streams[{i}]") for i, item in enumerate(items))
+    names = [s.name for s in streams]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ScenarioError(f"streams[{i}].name: {name!r} is used by another stream")
+    model = raw.get("model", "demo-pool")
+    if not isinstance(model, str) or not model:
+        raise ScenarioError(f"model: expected a model or pool name, got {model!r}")
+    duration = _number(raw.get("duration", 60.0), "duration")
+    if duration <= 0:
+        raise ScenarioError("duration: must be above 0")
+    seed = int(_number(raw.get("seed", 0), "seed", integer=True))
+    timeout = _number(raw.get("timeout", 60.0), "timeout")
+    if timeout <= 0:
+        raise ScenarioError("timeout: must be above 0")
+    return Scenario(streams=streams, model=model, duration=duration, seed=seed, timeout=timeout)
+
+
+def scenario_load(path: Path) -> Scenario:
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ScenarioError(f"scenario: cannot read {path}: {error.strerror or error}") from error
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ScenarioError(f"scenario: {path} is not valid YAML: {error}") from error
+    return scenario_parse(raw)
+
+
+def key_resolve(ref: str, where: str, *, env: Mapping[str, str], keys_file: Path) -> str:
+    """The secret a stream's `key` names: a literal secret, ``env:VAR`` or ``entitlement:NAME`` (read from the
+    demo key file that ``seed_demo --write-keys`` writes)."""
+    if ref.startswith("env:"):
+        var = ref[4:]
+        if not env.get(var):
+            raise ScenarioError(f"{where}: environment variable {var} is not set")
+        return env[var]
+    if ref.startswith("entitlement:"):
+        name = ref[len("entitlement:"):]
+        try:
+            keys = json.loads(keys_file.read_text(encoding="utf-8"))
+        except OSError as error:
+            raise ScenarioError(
+                f"{where}: no key file {keys_file} ({error.strerror}); "
+                "run `python manage.py seed_demo --write-keys var/demo-keys.json`"
+            ) from error
+        except ValueError as error:
+            raise ScenarioError(f"{where}: {keys_file} is not JSON: {error}") from error
+        if not isinstance(keys, dict) or not isinstance(keys.get(name), str):
+            raise ScenarioError(f"{where}: no key for entitlement {name!r} in {keys_file}")
+        return str(keys[name])
+    return ref
+
+
+def keys_resolve(scenario: Scenario, *, env: Mapping[str, str], keys_file: Path) -> dict[str, str]:
+    return {
+        s.name: key_resolve(s.key, f"streams[{i}].key", env=env, keys_file=keys_file)
+        for i, s in enumerate(scenario.streams)
+    }
+
+
+# ---- arrivals ----------------------------------------------------------------------------------------
+class _Collector:
+    """Stands in for the simulator's gateway: it only records what the workload submits."""
+
+    def __init__(self) -> None:
+        self.requests: list[SimRequest] = []
+
+    def submit(self, request: SimRequest) -> None:
+        self.requests.append(request)
+
+
+def arrivals(scenario: Scenario, *, duration: float, seed: int) -> list[Arrival]:
+    """Every request of one run of `duration` seconds, in time order, drawn by the simulator's workload."""
+    tenants = [
+        TenantSpec(
+            name=s.name, rate=s.rate, arrival=s.arrival, cv=s.cv, input=s.input, output=s.output,
+            start=s.start, stop=duration if s.stop is None else min(s.stop, duration), phases=s.phases,
+        )
+        for s in scenario.streams
+    ]
+    loop = EventLoop()
+    collector = _Collector()
+    workload = Workload(loop, collector, tenants, seed)
+    workload.start()
+    loop.run(until=duration)
+    return [
+        Arrival(r.arrival, r.tenant, r.prompt_tokens, r.output_tokens)
+        for r in collector.requests
+        if r.arrival < duration
+    ]
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+@dataclass
+class StreamStats:
+    sent: int = 0
+    ok: int = 0
+    rejected: int = 0  # 429s
+    errors: int = 0  # other statuses, timeouts, refused connections
+    capped: int = 0  # not sent: the stream's concurrency cap was reached
+    held: int = 0  # not sent: inside a 429's Retry-After window
+    in_flight: int = 0
+    output_tokens: int = 0
+    latencies: list[float] = field(default_factory=list)
+    statuses: dict[int, int] = field(default_factory=dict)
+    reasons: dict[str, int] = field(default_factory=dict)  # x-tokenpools-reject-reason of the 429s
+    paused_until: float = 0.0
+
+    def percentile(self, q: float) -> float | None:
+        if not self.latencies:
+            return None
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def retry_after_s(headers: httpx.Headers) -> float:
+    """How long a 429 asks the client to wait: `retry-after-ms` when present (finer), else `Retry-After`."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) * scale
+        except ValueError:
+            continue  # an HTTP date: rare from a gateway, and the fallback pause is safe
+        if math.isfinite(seconds) and seconds >= 0:
+            return seconds
+    return NO_RETRY_AFTER_PAUSE_S
+
+
+def request_body(scenario: Scenario, spec: StreamSpec, arrival: Arrival) -> tuple[str, dict[str, Any]]:
+    # One word per prompt token: the virtual vLLM's tokenizer counts words, real ones come close enough.
+    prompt = " ".join(["hello"] * max(1, arrival.input_tokens))
+    body: dict[str, Any] = {"model": scenario.model, "max_tokens": arrival.output_tokens, "stream": spec.stream}
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
+    if spec.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        return "/v1/chat/completions", body
+    body["prompt"] = prompt
+    return "/v1/completions", body
+
+
+def _usage_tokens(data: Any) -> int:
+    usage = data.get("usage") if isinstance(data, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else 0
+
+
+class LoadGenerator:
+    def __init__(
+        self,
+        scenario: Scenario,
+        keys: Mapping[str, str],
+        *,
+        url: str,
+        duration: float,
+        seed: int,
+        repeat: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.specs = {s.name: s for s in scenario.streams}
+        self.keys = dict(keys)
+        self.url = url.rstrip("/")
+        self.duration = duration
+        self.seed = seed
+        self.repeat = repeat
+        self.clock = clock
+        self.transport = transport
+        self.stats = {s.name: StreamStats() for s in scenario.streams}
+        self.stop = asyncio.Event()
+        self.started = 0.0
+        self.cycles = 0
+
+    def _schedule(self) -> Iterator[tuple[float, Arrival]]:
+        """(offset since start, arrival) for one run, or cycle after cycle with `repeat` (each cycle with
+        its own seed, so a long demo is not the same minute over and over)."""
+        cycle = 0
+        while True:
+            for arrival in arrivals(self.scenario, duration=self.duration, seed=self.seed + cycle):
+                yield cycle * self.duration + arrival.at, arrival
+            cycle += 1
+            self.cycles = cycle
+            if not self.repeat:
+                return
+
+    async def run(self, progress: Writer | None = None, progress_every_s: float = 1.0) -> dict[str, StreamStats]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(self.scenario.timeout, connect=10.0)
+        self.started = self.clock()
+        tasks: set[asyncio.Task[None]] = set()
+        reporter = asyncio.create_task(self._report(progress, progress_every_s)) if progress else None
+        async with httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits,
+                                     transport=self.transport) as client:
+            try:
+                for offset, arrival in self._schedule():
+                    delay = self.started + offset - self.clock()
+                    if delay > 0:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self.stop.wait(), timeout=delay)
+                    if self.stop.is_set():
+                        break
+                    self._dispatch(client, arrival, tasks)
+                if tasks and not self.stop.is_set():
+                    # Let the requests still out finish (each is bounded by the request timeout).
+                    waiter = asyncio.ensure_future(asyncio.wait(set(tasks)))
+                    stopper = asyncio.ensure_future(self.stop.wait())
+                    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    stopper.cancel()
+                    waiter.cancel()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                if reporter is not None:
+                    reporter.cancel()
+                    await asyncio.gather(reporter, return_exceptions=True)
+        if progress is not None:
+            progress.write(self.progress_line() + "\n")
+            progress.flush()
+        return self.stats
+
+    def _dispatch(self, client: httpx.AsyncClient, arrival: Arrival, tasks: set[asyncio.Task[None]]) -> None:
+        stats = self.stats[arrival.stream]
+        spec = self.specs[arrival.stream]
+        if self.clock() < stats.paused_until:
+            stats.held += 1
+            return
+        if stats.in_flight >= spec.concurrency:
+            stats.capped += 1
+            return
+        stats.sent += 1
+        stats.in_flight += 1
+        task = asyncio.create_task(self._send(client, spec, stats, arrival))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _send(self, client: httpx.AsyncClient, spec: StreamSpec, stats: StreamStats, arrival: Arrival) -> None:
+        path, body = request_body(self.scenario, spec, arrival)
+        headers = {"Authorization": f"Bearer {self.keys[spec.name]}"}
+        began = self.clock()
+        try:
+            async with client.stream("POST", path, json=body, headers=headers) as response:
+                status = response.status_code
+                stats.statuses[status] = stats.statuses.get(status, 0) + 1
+                if status == 429:
+                    stats.rejected += 1
+                    reason = response.headers.get("x-tokenpools-reject-reason", "unknown")
+                    stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
+                    stats.paused_until = max(stats.paused_until, self.clock() + retry_after_s(response.headers))
+                    await response.aread()
+                    return
+                if status != 200:
+                    stats.errors += 1
+                    await response.aread()
+                    return
+                tokens = await (self._read_stream(response) if spec.stream else self._read_json(response))
+            stats.ok += 1
+            stats.output_tokens += tokens
+            stats.latencies.append(self.clock() - began)
+        except (httpx.HTTPError, ValueError):
+            stats.errors += 1
+        finally:
+            stats.in_flight -= 1
+
+    @staticmethod
+    async def _read_json(response: httpx.Response) -> int:
+        return _usage_tokens(json.loads(await response.aread()))
+
+    @staticmethod
+    async def _read_stream(response: httpx.Response) -> int:
+        tokens = 0
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            tokens = _usage_tokens(json.loads(data)) or tokens
+        return tokens
+
+    async def _report(self, out: Writer, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            out.write(self.progress_line() + "\n")
+            out.flush()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def progress_line(self) -> str:
+        parts = [
+            f"{name} {s.sent}/{s.ok}/{s.rejected}/{s.errors}" + (f" ({s.in_flight} out)" if s.in_flight else "")
+            for name, s in self.stats.items()
+        ]
+        return f"[{self.elapsed():6.1f}s] sent/ok/429/err  " + " | ".join(parts)
+
+
+def summary_table(stats: Mapping[str, StreamStats], elapsed: float) -> str:
+    header = ("stream", "sent", "ok", "429", "errors", "capped", "held", "ok/s", "tok/s", "p50 s", "p95 s")
+    rows = [header]
+    for name, s in stats.items():
+        p50, p95 = s.percentile(0.5), s.percentile(0.95)
+        rows.append((
+            name, str(s.sent), str(s.ok), str(s.rejected), str(s.errors), str(s.capped), str(s.held),
+            f"{s.ok / elapsed:.2f}" if elapsed > 0 else "-",
+            f"{s.output_tokens / elapsed:.0f}" if elapsed > 0 else "-",
+            "-" if p50 is None else f"{p50:.2f}", "-" if p95 is None else f"{p95:.2f}",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    reasons = [f"  {name}: " + ", ".join(f"{r} {n}" for r, n in sorted(s.reasons.items()))
+               for name, s in stats.items() if s.reasons]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths,
+                                                                                                    strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if reasons:
+        lines += ["429 reasons:", *reasons]
+    lines.append(f"{elapsed:.1f}s; capped = cap of requests in flight reached, held = inside a 429's Retry-After"
+                 " (neither was sent)")
+    return "\n".join(lines)
+
+
+def env_keys_file(env: Mapping[str, str] | None = None) -> Path:
+    return Path((env or os.environ).get("TOKENPOOLS_DEMO_KEYS", str(DEFAULT_KEYS_FILE)))
+
+
+def main(
+    *,
+    scenario_path: Path,
+    url: str,
+    duration: float | None,
+    seed: int | None,
+    keys_file: Path,
+    repeat: bool,
+    stdout: Writer,
+    stderr: Writer,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Load, resolve keys, run until the scenario ends (or SIGINT/SIGTERM), print the summary. Exit codes:
+    0 after a run (stopped early included), 2 for a scenario that cannot run (the message names the field)."""
+    import signal
+
+    try:
+        scenario = scenario_load(scenario_path)
+        if duration is not None and duration <= 0:
+            raise ScenarioError(f"--duration: must be above 0, got {duration:g}")
+        keys = keys_resolve(scenario, env=os.environ if env is None else env, keys_file=keys_file)
+    except ScenarioError as error:
+        stderr.write(f"loadgen: error: {scenario_path}: {error}\n")
+        return 2
+    generator = LoadGenerator(
+        scenario, keys, url=url, duration=duration or scenario.duration,
+        seed=scenario.seed if seed is None else seed, repeat=repeat,
+    )
+    stderr.write(
+        f"loadgen: {len(scenario.streams)} stream(s) -> {url} for "
+        f"{'ever (repeating ' if repeat else ''}{generator.duration:g}s{')' if repeat else ''}; Ctrl-C stops\n"
+    )
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        # Ctrl-C and SIGTERM (a launcher stopping us) both end the run the same clean way: stop sending,
+        # cancel what is in flight, print the summary.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, generator.stop.set)
+        await generator.run(progress=stderr)
+
+    asyncio.run(go())
+    stdout.write(summary_table(generator.stats, generator.elapsed()) + "\n")
+    stdout.flush()
+    return 0
