@@ -68,6 +68,7 @@ test-postgres: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy apps workers tokenpools_site bench
 
 bench-policy: venv
 	$(BIN)/python -m bench.policy --write-results

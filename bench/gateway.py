@@ -64,14 +64,12 @@ def _pinned(core: str, cmd: list[str]) -> list[str]:
 
 @contextlib.contextmanager
 def _process(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[subprocess.Popen]:
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        stop_process_group(proc)
-        if log:
-            out.close()
+    with open(log or os.devnull, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            stop_process_group(proc)
 
 
 @contextlib.contextmanager

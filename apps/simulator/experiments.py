@@ -421,7 +421,7 @@ def run_aimd(
         sweep["static"][cap], _ = _aimd_run(f"static-{cap}", None, cap, horizon_s, tail_s)
         sweep["static_30s"][cap], _ = _aimd_run(f"static30-{cap}", None, cap, horizon_s, tail_s,
                                                 acquire_timeout_s=30.0)  # fmt: skip
-    ablations = {
+    ablations: dict[str, dict[str, Any]] = {
         "the policy's default TTFT buckets (none inside the band)": {"histogram_buckets_s": DEFAULT_TTFT_BUCKETS_S},
         "acquire timeout 30 s (post #4)": {"acquire_timeout_s": 30.0},
         "ceiling 128 per worker (the seed's)": {"cap_per_worker_max": 128},
