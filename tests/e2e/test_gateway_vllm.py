@@ -155,7 +155,7 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
         answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
     holder = threading.Thread(target=lambda: list(_client(url, key, max_retries=0).chat.completions.create(
-        model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=300, stream=True,
+        model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=2000, stream=True,
         extra_body={"ignore_eos": True})))
     holder.start()
     deadline = time.monotonic() + 30

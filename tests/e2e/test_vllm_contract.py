@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.support.vllm import SERVED_MODEL_NAME
+from tests.support.vllm import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ def test_tokenize_counts_prompt_tokens(vllm_backend: str) -> None:
     ).json()
     assert short["count"] == len(short["tokens"]) > 0
     assert long["count"] > short["count"]
-    assert long["max_model_len"] == 1024
+    assert long["max_model_len"] == MAX_MODEL_LEN
 
 
 def test_non_streamed_completion_reports_usage(vllm_backend: str) -> None:

@@ -154,11 +154,16 @@ def test_vllm_metrics_are_parsed_into_an_instance_snapshot() -> None:
 
 def test_saturated_replicas_make_the_pool_contended(gateway_factory: Any, upstream_factory: Any) -> None:
     upstream, _ = upstream_factory(waiting=10)
-    h = gateway_factory(upstreams=[upstream], config={"tokenize": False})
+    h = gateway_factory(upstreams=[upstream], config={"tokenize": False}, entitlement={"service_class": "elastic"},
+                        extra_entitlements={"acme-reserved": {"service_class": "guaranteed", "concurrency": 2,
+                                                              "tokens_per_second": 100}})
     h.server.call(h.gateway.health_check())
     busy = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
     assert busy.status_code == 429
     assert busy.json()["error"]["code"] == "pool_contended"
+    # A backend queue alone does not turn away guaranteed work within its reserved baseline.
+    reserved = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth(h.secrets["acme-reserved"]))
+    assert reserved.status_code == 200, reserved.text
     assert 'flow_control_pool_saturation{pool="tiny"} 2' in httpx.get(h.url + "/metrics").text
     upstream.waiting = 0
     h.server.call(h.gateway.health_check())

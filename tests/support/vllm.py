@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / "var" / "vllm-venv" / "bin" / "python"
 TINY_MODEL_DIR = REPO / "var" / "models" / "vllm-tiny"
 SERVED_MODEL_NAME = "tiny"
+# The tiny model's whole position range: long answers keep a stream in flight for seconds even on vLLM.
+MAX_MODEL_LEN = 2048
 # vLLM's CPU attention kernels need a supported head size: 256 wide / 4 heads = 64.
 TINY_MODEL_ARGS = [
     "--hidden-size", "256", "--intermediate-size", "688", "--num-hidden-layers", "4",
@@ -48,7 +50,7 @@ def running_vllm(max_num_seqs: int = 16, startup_timeout_s: float = 420.0) -> It
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", str(max_num_seqs),
-           "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
+           "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port)]
     with running_http_server(cmd, port=port, name="vllm", startup_timeout_s=startup_timeout_s, env=env) as served:
         yield served
 

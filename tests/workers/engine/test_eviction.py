@@ -19,9 +19,12 @@ from workers.engine.eviction import (
     POLICIES,
     H2OPolicy,
     PoolView,
+    ProtectedTokens,
     TokenPDPolicy,
+    lowest_scored,
     lowest_scored_per_owner,
     make_policy,
+    sparse_nonzero,
 )
 from workers.engine.runner import EngineRunner, RunnerConfig
 
@@ -71,6 +74,8 @@ def run_workload(
         if runner.policy.evicts:
             reused = runner._current_view()
             assert torch.equal(reused.protected & reused.live, view.protected)
+        # The incremental protected mask is the one a pass over the whole pool would compute.
+        assert torch.equal(runner.protected.mask, runner.protected.from_scratch(runner._seen_by_row))
     else:
         raise AssertionError("workload did not finish")
     return runner, scheduler, events, trace
@@ -237,3 +242,128 @@ def test_per_owner_selection_fast_path_matches_the_sorting_path():
         assert sorted(owner[fast].tolist()) == sorted(owner[slow].tolist())  # one per owner in excess
         assert sorted(score[fast].tolist()) == sorted(score[slow].tolist())  # the same (lowest) scores
         assert len(set(owner[fast].tolist())) == fast.numel()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_protected_mask_equals_the_one_from_scratch(seed):
+    """Random admits (decode tokens and prefill chunks), evictions and finished sequences over a pool:
+    after every change the incremental mask is exactly live & (sink | recent window)."""
+    rng = random.Random(seed)
+    slots, rows, sinks, recent = 203, 6, 4, 8
+    owner = torch.full((slots,), -1, dtype=torch.long)
+    position = torch.zeros(slots, dtype=torch.long)
+    live = torch.zeros(slots, dtype=torch.bool)
+    seen = torch.zeros(rows, dtype=torch.long)
+    protected = ProtectedTokens(owner, position, live, sinks, recent, num_rows=2)  # grows on demand
+    held: dict[int, list[int]] = {row: [] for row in range(rows)}
+
+    def free(victims: list[int]) -> None:
+        index = torch.tensor(victims, dtype=torch.long)
+        live[index] = False
+        owner[index] = -1
+
+    for _ in range(600):
+        action = rng.random()
+        if action < 0.6:  # one step: a few rows each take 1 token (decode) or a chunk (prefill)
+            free_slots = (~live).nonzero().squeeze(1).tolist()
+            rng.shuffle(free_slots)
+            taken: list[int] = []
+            for row in rng.sample(range(rows), rng.randint(1, rows)):
+                count = 1 if rng.random() < 0.7 else rng.randint(2, 20)
+                if count > len(free_slots):
+                    break
+                new = [free_slots.pop() for _ in range(count)]
+                index = torch.tensor(new, dtype=torch.long)
+                live[index] = True
+                owner[index] = row
+                position[index] = torch.arange(int(seen[row]), int(seen[row]) + count)
+                seen[row] += count
+                held[row] += new
+                taken += new
+            protected.admit(torch.tensor(taken, dtype=torch.long), seen)
+        elif action < 0.85:  # evictions, as policies make them: unprotected tokens only (rarely any)
+            evictable = (live & ~protected.mask).nonzero().squeeze(1).tolist()
+            if rng.random() < 0.05:
+                evictable = live.nonzero().squeeze(1).tolist()
+            victims = rng.sample(evictable, min(len(evictable), rng.randint(1, 10)))
+            if victims:
+                free(victims)
+                protected.forget(torch.tensor(victims, dtype=torch.long))
+                for row in held:
+                    held[row] = [slot for slot in held[row] if slot not in victims]
+        else:  # a sequence finishes (or is preempted): its row is reused from scratch later
+            row = rng.randrange(rows)
+            if held[row]:
+                free(held[row])
+            protected.release_row(row, torch.tensor(held[row], dtype=torch.long))
+            held[row] = []
+            seen[row] = 0
+        assert torch.equal(protected.mask, protected.from_scratch(seen))
+
+
+def test_sparse_nonzero_and_lowest_scored_match_the_plain_versions():
+    generator = torch.Generator().manual_seed(0)
+    for count in (0, 5, 8, 4099, 65536, 65541):  # small pools take the plain scan; big ones 8 bytes at a time
+        for density in (0.0, 0.001, 0.05, 0.5, 1.0):
+            mask = torch.rand(count, generator=generator) < density
+            assert torch.equal(sparse_nonzero(mask), mask.nonzero().squeeze(1))
+    score = torch.rand(65536, generator=generator)
+    birth = torch.randperm(65536, generator=generator)
+    for excluded in (0.01, 0.5):  # few excluded slots (patched by index) and many (masked fill)
+        candidates = torch.rand(65536, generator=generator) >= excluded
+        for values in (score, birth):
+            chosen = lowest_scored(values, candidates, 300)
+            fill = float("inf") if values.is_floating_point() else torch.iinfo(values.dtype).max
+            _, expected = torch.topk(values.masked_fill(~candidates, fill), 300, largest=False, sorted=False)
+            assert torch.equal(chosen, expected)
+
+
+class _DenseTokenPD(TokenPDPolicy):
+    """Token-PD's observe as passes over the whole pool (the reference for the incremental one)."""
+
+    def on_insert(self, slots: torch.Tensor, step: int) -> None:
+        self.ret[slots] = 0.0
+        self.ret_sq[slots] = 0.0
+        self.observed[slots] = False
+
+    def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        alpha, lam = self.params.ewma_alpha, self.params.risk_aversion
+        sat_out = (view.live & ~stepped).nonzero().squeeze(1)
+        kept_ret, kept_sq = self.ret[sat_out], self.ret_sq[sat_out]
+        self.ret.mul_(1 - alpha).add_(mass, alpha=alpha)
+        self.ret_sq.mul_(1 - alpha).addcmul_(mass, mass, value=alpha)
+        self.ret[sat_out], self.ret_sq[sat_out] = kept_ret, kept_sq
+        fresh = (stepped & ~self.observed).nonzero().squeeze(1)
+        self.ret[fresh] = mass[fresh]
+        self.ret_sq[fresh] = mass[fresh] * mass[fresh]
+        self.observed |= stepped
+        torch.addcmul(self.ret, self.ret, self.ret, value=lam, out=self._value).sub_(self.ret_sq, alpha=lam)
+
+
+@pytest.mark.parametrize("slots", [96, 20000])  # below and above the size where the 8-byte scans start
+def test_token_pd_observe_with_pending_unobserved_slots_matches_the_dense_passes(slots):
+    """Random arrivals, sequences sitting steps out, evictions and reuse of freed slots: the incremental
+    bookkeeping of unobserved slots gives bit-for-bit the averages and values of full passes."""
+    rng = random.Random(slots)
+    generator = torch.Generator().manual_seed(slots)
+    fast, dense = TokenPDPolicy(), _DenseTokenPD()
+    for policy in (fast, dense):
+        policy.bind(num_slots=slots, bytes_per_token=100, budget_tokens=slots, max_batch_size=8)
+    owner = torch.full((slots,), -1, dtype=torch.long)
+    for step in range(1, 60):
+        free = (owner < 0).nonzero().squeeze(1)
+        new = free[torch.randperm(free.numel(), generator=generator)[: rng.randint(0, slots // 10)]]
+        owner[new] = torch.randint(0, 8, (new.numel(),), generator=generator)
+        for policy in (fast, dense):
+            policy.on_insert(new, step)
+        live = owner >= 0
+        sitting_out = torch.tensor(rng.sample(range(8), rng.choice([0, 0, 1, 3])), dtype=torch.long)
+        stepped = live & ~torch.isin(owner, sitting_out)
+        mass = torch.rand(slots, generator=generator).pow_(4) * stepped
+        view = synthetic_view(owner.tolist(), [0] * slots, [0] * slots, [False] * slots, budget=slots)
+        for policy in (fast, dense):
+            policy.observe(view, mass, stepped)
+        for name in ("ret", "ret_sq", "_value", "observed"):
+            assert torch.equal(getattr(fast, name), getattr(dense, name)), (step, name)
+        gone = live.nonzero().squeeze(1)
+        owner[gone[torch.randperm(gone.numel(), generator=generator)[: rng.randint(0, slots // 8)]]] = -1
