@@ -3,8 +3,9 @@
 - Benchmark 3, policy overhead per step: a synthetic pool of `--streams` sequences x `--tokens` cached
   tokens at the budget; each step the exact cut-off frees one slot per stream, one new token per stream
   arrives, then the policy observes attention, prices and evicts voluntarily. Only the policy's share is
-  timed (building the protected mask included; the model's forward and the pool's own bookkeeping are
-  not). p50/p99 over `--steps` steps, one thread unless `--threads` says otherwise.
+  timed (keeping the protected mask included, with the runner's own incremental `ProtectedTokens`; the
+  model's forward and the pool's own bookkeeping, its free list included, are not). p50/p99 over
+  `--steps` steps, one thread unless `--threads` says otherwise.
 - Benchmark 2 (`--throughput`): a short in-process run of scheduler + runner + model: output tokens/s
   and p95 request latency at the given stream counts, each policy at the same KV budget.
 - Benchmark 1 (`--quality`): teacher-forced held-out code windows sharing one KV budget, per policy and
@@ -39,7 +40,7 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
     """Simulates the runner's policy calls over a full pool; only the policy's share is timed."""
     import torch
 
-    from workers.engine.eviction import PoolView, make_policy
+    from workers.engine.eviction import PoolView, ProtectedTokens, make_policy
 
     sinks, recent = 4, 8
     slots = streams * tokens
@@ -56,12 +57,25 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
     policy.bind(slots, 512, slots, streams)
     policy.on_insert(torch.arange(slots), 0)
     births = slots
+    protected = ProtectedTokens(owner, position, live, sinks, recent, streams)
+    protected.admit(torch.arange(slots), seen)
+    used = slots
 
     def view(step: int) -> PoolView:
-        owner_seen = seen[owner]
-        protected = live & ((position < sinks) | (position >= owner_seen - recent))
+        # As the runner builds it: the incremental mask, a snapshot of the rows' seen counts.
         return PoolView(
-            live, protected, owner, position, birth, owner_seen, streams, running, slots, step, row_cached
+            live,
+            protected.mask,
+            owner,
+            position,
+            birth,
+            None,
+            streams,
+            running,
+            slots,
+            step,
+            row_cached,
+            seen_by_row=seen.clone(),
         )
 
     samples: list[float] = []
@@ -71,11 +85,13 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
         # One decode step's attention: skewed per stream (a few heavy tokens), zero on free slots.
         mass = torch.rand(slots, generator=generator).pow_(4).mul_(live)
         mass /= torch.zeros(streams).index_add_(0, owner, mass)[owner].clamp_(min=1e-30)
-        started = time.perf_counter()
+        # The pool's free list (the runner's pool keeps one; not the policy's share, so not timed).
         free = (~live).nonzero().squeeze(1)
+        started = time.perf_counter()
         need = streams - free.numel()
         # The exact cut-off (with the view from the end of the previous step, as the runner reuses it).
         victims = policy.make_room(current, need) if need > 0 else free[:0]
+        protected.forget(victims)
         paused = time.perf_counter()
         # The pool's own bookkeeping (not the policy's): free the victims, give each stream one new token.
         live[victims] = False
@@ -86,15 +102,18 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
         seen += 1
         birth[new_slots] = torch.arange(births, births + streams)
         births += streams
+        used += streams - victims.numel()  # the pool's count (`num_used`), as the runner reads it
         # What the runner knows from its sequence table without a pass over the pool.
         row_cached.copy_(torch.bincount(owner[live], minlength=streams))
         resumed = time.perf_counter()
         policy.on_insert(new_slots, step)
+        protected.admit(new_slots, seen)
         current = view(step)
         policy.observe(current, mass, live)
         voluntary = policy.voluntary_evictions(current)
         live[voluntary] = False
-        policy.end_step(current, int(live.sum()) + max(0, need))
+        used -= voluntary.numel()
+        policy.end_step(current, used + max(0, need))
         finished = time.perf_counter()
         voluntary_total += voluntary.numel()
         if step > 10:
@@ -103,7 +122,7 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
         "p50_ms": percentile(samples, 0.50),
         "p99_ms": percentile(samples, 0.99),
         "mean_ms": statistics.fmean(samples),
-        "final_used": int(live.sum()),
+        "final_used": used,
         "voluntary": voluntary_total,
     }
 

@@ -31,13 +31,16 @@ class PoolView:
     owner: torch.Tensor  # long, the sequence row holding the slot, -1 when free
     position: torch.Tensor  # long, the token's original position in its sequence
     birth: torch.Tensor  # long, global arrival order
-    owner_seen: torch.Tensor  # long, tokens seen by the slot's sequence
+    # long, tokens seen by the slot's sequence; None when `seen_by_row` is given instead (then it is
+    # gathered on first use by `seen_of_owner()`: only H2O reads it, and the gather is a pass over the pool)
+    owner_seen: torch.Tensor | None
     num_rows: int  # size of the sequence-row table (owner values are < num_rows)
     running_rows: torch.Tensor  # long, rows of the sequences currently holding a cache
     budget_tokens: int
     step: int
     # Tokens cached per sequence row, when the caller already knows them (saves a pass over the pool).
     row_cached: torch.Tensor | None = None
+    seen_by_row: torch.Tensor | None = None  # long, tokens seen per sequence row
 
     @property
     def evictable(self) -> torch.Tensor:
@@ -45,19 +48,146 @@ class PoolView:
 
     @property
     def used_tokens(self) -> int:
-        return int(self.live.sum())
+        return int(torch.sum(self.live, dtype=torch.int32))
+
+    def seen_of_owner(self) -> torch.Tensor:
+        """`owner_seen`, gathered from `seen_by_row` the first time it is asked for."""
+        if self.owner_seen is None:
+            if self.seen_by_row is None:
+                raise ValueError("a PoolView needs owner_seen or seen_by_row")
+            self.owner_seen = self.seen_by_row[self.owner.clamp(min=0)]
+        return self.owner_seen
+
+
+def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """`mask.nonzero().squeeze(1)` for a flat bool mask, much faster when few entries are set.
+
+    Scans the mask eight bytes at a time (an int64 view: bool reductions and `nonzero` are slow byte by
+    byte), then expands only the words with a set byte. Same indices, same ascending order.
+    """
+    count = mask.numel()
+    whole = count - count % 8
+    if count < _SPARSE_SCAN_MIN or not mask.is_contiguous() or mask.device.type != "cpu":
+        return mask.nonzero().squeeze(1)
+    words = mask[:whole].view(torch.int64).nonzero().squeeze(1)
+    if words.numel() * 8 > whole // 4:  # dense: the plain scan is cheaper than expanding every word
+        return mask.nonzero().squeeze(1)
+    slots = (words.unsqueeze(1) * 8 + _BYTE_OFFSETS).reshape(-1)
+    slots = slots[mask[slots]]
+    if whole < count:
+        tail = mask[whole:].nonzero().squeeze(1) + whole
+        slots = torch.cat([slots, tail])
+    return slots
+
+
+_BYTE_OFFSETS = torch.arange(8, dtype=torch.long)
+_SPARSE_SCAN_MIN = 16384  # below this many slots the plain scans cost less than the extra operations
+
+
+class ProtectedTokens:
+    """The engine's protected tokens (every sequence's first `sinks` and last `recent` positions), kept
+    incrementally instead of being rebuilt from the whole pool each step.
+
+    `mask[s]` is always `live[s] & (position[s] < sinks | position[s] >= seen[owner[s]] - recent)`.
+    A sequence's recent window is remembered per row in a ring (`window[row, position % recent]` = the
+    slot), so a step costs O(new tokens), not passes over the pool.
+    Callers report every change: `admit` after new tokens took slots (with the rows' seen counts after
+    the step), `forget` for evicted slots, `release_row` when a sequence leaves the pool.
+    """
+
+    def __init__(
+        self,
+        owner: torch.Tensor,
+        position: torch.Tensor,
+        live: torch.Tensor,
+        sinks: int,
+        recent: int,
+        num_rows: int = 64,
+    ) -> None:
+        self.owner = owner  # the pool's own tensors, read (never written) here
+        self.position = position
+        self.live = live
+        self.sinks = sinks
+        self.recent = recent
+        self.mask = torch.zeros(owner.numel(), dtype=torch.bool)
+        self.window = torch.full((num_rows, max(1, recent)), -1, dtype=torch.long)
+
+    def _ensure_rows(self, num_rows: int) -> None:
+        if self.window.shape[0] < num_rows:
+            grown = torch.full((max(num_rows, 2 * self.window.shape[0]), self.window.shape[1]), -1)
+            grown[: self.window.shape[0]] = self.window
+            self.window = grown
+
+    def admit(self, slots: torch.Tensor, seen_by_row: torch.Tensor) -> None:
+        """New tokens took `slots` (owner and position already written); `seen_by_row` is after the step."""
+        if slots.numel() == 0:
+            return
+        self._ensure_rows(seen_by_row.numel())
+        rows = self.owner[slots]
+        positions = self.position[slots]
+        start = seen_by_row - self.recent  # per row: the first position of its recent window
+        in_window = positions >= start[rows]
+        self.mask[slots] = (positions < self.sinks) | in_window
+        if self.recent == 0:
+            return
+        # A row's new tokens have consecutive positions, so the window entries the newest `recent` of
+        # them overwrite are exactly the tokens the window moved past: those lose their protection
+        # (sinks excepted). An entry whose slot was freed or reused since is left alone.
+        if not bool(in_window.all()):
+            kept = in_window.nonzero().squeeze(1)
+            slots, rows, positions = slots[kept], rows[kept], positions[kept]
+        column = positions % self.recent
+        held = self.window[rows, column]
+        at = held.clamp(min=0)
+        held_position = self.position[at]
+        left = (
+            (held >= 0)
+            & (self.owner[at] == rows)
+            & self.live[at]
+            & (held_position < start[rows])
+            & (held_position >= self.sinks)
+        )
+        self.mask[at[left]] = False
+        self.window[rows, column] = slots
+
+    def forget(self, slots: torch.Tensor) -> None:
+        """These slots were freed (evicted)."""
+        if slots.numel():
+            self.mask[slots] = False
+
+    def release_row(self, row: int, slots: torch.Tensor) -> None:
+        """The sequence in `row` left the pool, giving back `slots`."""
+        self.forget(slots)
+        if row < self.window.shape[0]:
+            self.window[row] = -1
+
+    def from_scratch(self, seen_by_row: torch.Tensor) -> torch.Tensor:
+        """The same mask computed over the whole pool (what `admit` keeps incrementally; for tests)."""
+        owner_seen = seen_by_row[self.owner.clamp(min=0)]
+        return self.live & ((self.position < self.sinks) | (self.position >= owner_seen - self.recent))
 
 
 def lowest_scored(score: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
     """Slots of the `count` lowest scores among `candidates` (all of them if there are fewer)."""
     if count <= 0:
         return torch.zeros(0, dtype=torch.long)
-    available = int(candidates.sum())
+    available = int(torch.sum(candidates, dtype=torch.int32))  # int32: twice as fast as bool -> int64
     if count >= available:
-        return candidates.nonzero().squeeze(1)
+        return sparse_nonzero(candidates)
     # Masking and one dense top-k is about twice as fast as gathering the candidates first.
     fill = float("inf") if score.is_floating_point() else torch.iinfo(score.dtype).max
-    masked = score.masked_fill(~candidates, fill)
+    excluded = torch.logical_not(candidates)
+    if (
+        score.numel() >= _SPARSE_SCAN_MIN
+        and (score.numel() - available) * 16 <= score.numel()
+        and score.device.type == "cpu"
+    ):
+        # Few slots excluded (a full pool: only the protected ones): copy and patch them by index,
+        # cheaper than the byte-by-byte masked fill. The same masked scores either way.
+        masked = score.clone()
+        masked[sparse_nonzero(excluded)] = fill
+    else:
+        masked = score.masked_fill(excluded, fill)
     _, chosen = torch.topk(masked, count, largest=False, sorted=False)
     return chosen
 
@@ -194,7 +324,7 @@ class H2OPolicy(EvictionPolicy):
         self.accumulated += mass  # zero for slots outside the step
 
     def scores(self, view: PoolView) -> torch.Tensor:
-        recent = view.position >= view.owner_seen - self.k // 2
+        recent = view.position >= view.seen_of_owner() - self.k // 2
         return self.accumulated + recent.float() * 1e6
 
     def voluntary_evictions(self, view: PoolView) -> torch.Tensor:
@@ -203,7 +333,7 @@ class H2OPolicy(EvictionPolicy):
         excess = (held - self.k).clamp(min=0)
         if int(excess.sum()) == 0:
             return torch.zeros(0, dtype=torch.long)
-        recent = view.position >= view.owner_seen - self.k // 2
+        recent = view.position >= view.seen_of_owner() - self.k // 2
         # Only the sequences over their budget take part in the per-sequence sort.
         candidates = view.evictable & ~recent & (excess[owners] > 0)
         return lowest_scored_per_owner(self.accumulated, candidates, owners, excess)
@@ -248,26 +378,41 @@ class TokenPDPolicy(EvictionPolicy):
         self.priced_out_total = 0
         self._value = torch.zeros(num_slots, dtype=torch.float32)
         self._priced_out = torch.zeros(num_slots, dtype=torch.bool)
+        self._mask = torch.zeros(num_slots, dtype=torch.bool)
+        # Every slot not yet observed since its token arrived is in here (duplicates allowed): the fresh
+        # tokens of a step are found among these instead of by a pass over the pool.
+        self._unobserved = torch.arange(num_slots)
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
         self.ret[slots] = 0.0
         self.ret_sq[slots] = 0.0
         self.observed[slots] = False
+        self._unobserved = torch.cat([self._unobserved, slots])
 
     def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
         alpha = self.params.ewma_alpha
         # Dense in-place updates over the whole pool (a few passes, no gathers); the rare slots that must
         # not move are patched by index afterwards: tokens of a live sequence that sat this step out keep
         # their averages, and a token's first observation seeds them (no zero prior to price it on).
-        sat_out = (view.live & ~stepped).nonzero().squeeze(1)
+        # Both index sets are usually tiny: in a decode step every live sequence steps (`torch.equal` is a
+        # memcmp), and the fresh tokens are the step's new ones, found among the unobserved slots.
+        if torch.equal(view.live, stepped):
+            sat_out = self._unobserved[:0]
+        else:
+            sat_out = sparse_nonzero(torch.gt(view.live, stepped, out=self._mask))  # live & ~stepped
         kept_ret, kept_sq = self.ret[sat_out], self.ret_sq[sat_out]
         self.ret.mul_(1 - alpha).add_(mass, alpha=alpha)
         self.ret_sq.mul_(1 - alpha).addcmul_(mass, mass, value=alpha)
-        self.ret[sat_out], self.ret_sq[sat_out] = kept_ret, kept_sq
-        fresh = (stepped & ~self.observed).nonzero().squeeze(1)
-        self.ret[fresh] = mass[fresh]
-        self.ret_sq[fresh] = mass[fresh] * mass[fresh]
-        self.observed |= stepped
+        if sat_out.numel():
+            self.ret[sat_out], self.ret_sq[sat_out] = kept_ret, kept_sq
+        pending = self._unobserved
+        fresh = pending[stepped[pending] & ~self.observed[pending]]  # stepped & ~observed, by index
+        if fresh.numel():
+            self.ret[fresh] = mass[fresh]
+            self.ret_sq[fresh] = mass[fresh] * mass[fresh]
+            self.observed[fresh] = True  # observed |= stepped: stepped slots were observed or are fresh
+        # Still pending: live tokens that sat this step out (a freed slot re-enters through on_insert).
+        self._unobserved = pending[~self.observed[pending] & view.live[pending]]
         # R - lambda*sigma^2 with sigma^2 = E[m^2] - R^2, in two fused passes.
         lam = self.params.risk_aversion
         # Written into a preallocated buffer: a fresh pool-sized tensor per step costs page faults.
@@ -294,8 +439,8 @@ class TokenPDPolicy(EvictionPolicy):
         priced_out = torch.lt(self.value(), price, out=self._priced_out)  # g = R - lambda*sigma^2 - mu*c < 0
         priced_out &= self.observed
         priced_out &= view.live
-        priced_out &= ~view.protected
-        victims = priced_out.nonzero().squeeze(1)
+        priced_out &= torch.logical_not(view.protected, out=self._mask)
+        victims = sparse_nonzero(priced_out)
         self.priced_out_total += int(victims.numel())
         return victims
 

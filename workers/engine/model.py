@@ -308,6 +308,23 @@ class LlamaModel:
         sequence.slots = sequence.slots[keep]
         return int(dropped.numel())
 
+    def evict_marked(self, sequences: list[SequenceCache], marked: torch.Tensor) -> int:
+        """Drop, from each of `sequences`, the tokens whose slot is marked (a bool mask over the pool).
+
+        The same as `evict` once per sequence, freed slots in the same order (sequence by sequence, each
+        in its own order), but the pool's free list is updated once for the whole batch.
+        """
+        dropped: list[torch.Tensor] = []
+        for seq in sequences:
+            drop = marked[seq.slots]
+            dropped.append(seq.slots[drop])
+            seq.slots = seq.slots[drop.logical_not_()]
+        if not dropped:
+            return 0
+        freed = torch.cat(dropped)
+        self.pool.free(freed)
+        return int(freed.numel())
+
     # ---- a reference for tests ----------------------------------------------------------------------
     @torch.inference_mode()
     def reference_logits(

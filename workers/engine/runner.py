@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.eviction import EvictionPolicy, PoolView, make_policy
+from workers.engine.eviction import EvictionPolicy, PoolView, ProtectedTokens, make_policy
 from workers.engine.model import ForwardOutput, LlamaModel, SequenceCache
 from workers.engine.scheduler import SamplingParams, SequenceResult, SequenceWork
 
@@ -68,6 +68,11 @@ class EngineRunner:
         self._free_rows: list[int] = []
         self._next_row = 0
         self._seen_by_row = torch.zeros(64, dtype=torch.long)
+        pool = self.model.pool
+        # Sinks and recent tokens, kept up to date on every admit, eviction and release.
+        self.protected = ProtectedTokens(
+            pool.owner, pool.position, pool.live, config.sink_tokens, config.recent_tokens
+        )
         self._generators: dict[str, torch.Generator] = {}
         self._last_view: PoolView | None = None
         self.last_logits: dict[str, torch.Tensor] = {}
@@ -90,6 +95,7 @@ class EngineRunner:
         self._generators.pop(request_id, None)
         if seq is None:
             return
+        self.protected.release_row(seq.row, seq.slots)
         self.model.release(seq)
         self._seen_by_row[seq.row] = 0
         self._free_rows.append(seq.row)
@@ -127,6 +133,7 @@ class EngineRunner:
             self._seen_by_row[seq.row] = seq.seen
 
         started = time.perf_counter()
+        self.protected.admit(output.new_slots, self._seen_by_row)  # every policy: views read it
         if self.policy.evicts:  # a policy that never evicts needs none of the per-slot passes
             self._policy_step(step, active, sequences, output, demand_extra)
         used = self.model.pool.num_used
@@ -159,8 +166,10 @@ class EngineRunner:
         self.policy.on_insert(output.new_slots, step)
         view = self.view(step)
         decode_rows = [i for i, item in enumerate(active) if item.sample]
-        if decode_rows:
-            newest = torch.tensor([int(sequences[i].slots[-1]) for i in decode_rows], dtype=torch.long)
+        if decode_rows and type(self.policy).on_logits is not EvictionPolicy.on_logits:
+            # Each sequence's newest slot is the last of the slots its new tokens took (in batch order).
+            ends = torch.tensor([len(item.token_ids) for item in active], dtype=torch.long).cumsum(0) - 1
+            newest = output.new_slots[ends[decode_rows]]
             self.policy.on_logits(view, newest, output.logits[decode_rows])
         self.policy.observe(view, output.slot_mass, output.slot_stepped)
         victims = self.policy.voluntary_evictions(view)
@@ -189,21 +198,18 @@ class EngineRunner:
 
     def view(self, step: int | None = None) -> PoolView:
         pool = self.model.pool
-        owner_seen = self._seen_by_row[pool.owner.clamp(min=0)]
-        protected = pool.live & (
-            (pool.position < self.config.sink_tokens)
-            | (pool.position >= owner_seen - self.config.recent_tokens)
-        )
         running = torch.tensor([seq.row for seq in self.sequences.values()], dtype=torch.long)
         row_cached = torch.zeros(self._seen_by_row.numel(), dtype=torch.long)
         row_cached[running] = torch.tensor([seq.cached for seq in self.sequences.values()], dtype=torch.long)
         return PoolView(
             live=pool.live,
-            protected=protected,
+            # Kept incrementally (no pass over the pool); it stays exact across releases and evictions.
+            protected=self.protected.mask,
             owner=pool.owner,
             position=pool.position,
             birth=pool.birth,
-            owner_seen=owner_seen,
+            owner_seen=None,  # gathered on demand from seen_by_row (only H2O reads it)
+            seen_by_row=self._seen_by_row.clone(),
             num_rows=self._seen_by_row.numel(),
             running_rows=running,
             budget_tokens=self.config.budget_tokens,
@@ -236,11 +242,11 @@ class EngineRunner:
         pool = self.model.pool
         marked = torch.zeros(pool.num_slots, dtype=torch.bool)
         marked[victims] = True
+        self.protected.forget(victims)
         affected_rows = set(pool.owner[victims].tolist())
-        evicted = 0
-        for seq in self.sequences.values():
-            if seq.row in affected_rows:
-                evicted += self.model.evict(seq, ~marked[seq.slots])
+        evicted = self.model.evict_marked(
+            [seq for seq in self.sequences.values() if seq.row in affected_rows], marked
+        )
         self.stats.tokens_evicted += evicted
         if voluntary:
             self.stats.tokens_evicted_voluntarily += evicted
