@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,7 @@ UPSTREAM_CHAT = {
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
 }
+LITELLM_MASTER_KEY = "sk-bench-" + secrets.token_hex(16)
 SERVER_CORE = "0"
 LOADGEN_CORE = "1"
 
@@ -136,8 +138,9 @@ litellm_settings:
   telemetry: false
   drop_params: true
 """)
+    # Like our gateway, LiteLLM authenticates every request (with its master key, no database).
     env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_DOCS": "True",
-           "DISABLE_ADMIN_UI": "True"}
+           "DISABLE_ADMIN_UI": "True", "LITELLM_MASTER_KEY": LITELLM_MASTER_KEY}
     cmd = _pinned(SERVER_CORE, [str(LITELLM), "--config", str(config), "--port", str(port), "--host", "127.0.0.1",
                                 "--num_workers", "1"])
     with _process(cmd, env=env, log=workdir / "litellm.log") as proc:
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += measure("tokenpools (redis)", url, key, args, workdir)
             if not args.no_litellm:
                 with litellm_proxy(upstream, workdir) as url:
-                    rows += measure("litellm", url, "unused", args, workdir)
+                    rows += measure("litellm", url, LITELLM_MASTER_KEY, args, workdir)
     text = report(rows, args)
     print(text)
     out_dir = REPO / "bench" / "out"
