@@ -154,18 +154,32 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
     def on_response(response: httpx.Response) -> None:
         answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
-    holder = threading.Thread(target=lambda: list(_client(url, key, max_retries=0).chat.completions.create(
-        model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=2000, stream=True,
-        extra_body={"ignore_eos": True})))
+    streaming = threading.Event()
+    holder_outcome: list[str] = []
+
+    def hold_the_slot() -> None:
+        try:
+            stream = _client(url, key, max_retries=0).chat.completions.create(
+                model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=1000,
+                stream=True, extra_body={"ignore_eos": True})
+            for _chunk in stream:
+                streaming.set()
+            holder_outcome.append("ok")
+        except openai.APIError as exc:
+            holder_outcome.append(repr(exc))
+        finally:
+            streaming.set()
+
+    holder = threading.Thread(target=hold_the_slot)
     holder.start()
-    deadline = time.monotonic() + 30
-    while _in_flight(url) < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert streaming.wait(60)
     hooks = {"request": [on_request], "response": [on_response]}
-    retrying = _client(url, key, max_retries=6, http_client=httpx.Client(event_hooks=hooks))
+    # Enough retries for the slower backend (our engine on CPU) to finish the 1,000-token holder.
+    retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
     result = retrying.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                               max_tokens=4)
-    holder.join(timeout=60)
+    holder.join(timeout=120)
+    assert holder_outcome == ["ok"], holder_outcome
     assert result.choices[0].message.content is not None
     statuses = [status for _t, status, _h in answered]
     assert statuses[0] == 429 and statuses[-1] == 200, statuses
