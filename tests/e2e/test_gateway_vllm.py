@@ -154,25 +154,22 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
     def on_response(response: httpx.Response) -> None:
         answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
-    streaming = threading.Event()
     holder_outcome: list[str] = []
 
     def hold_the_slot() -> None:
+        # Not streamed: the slot is held until the backend has generated all 1,800 tokens (seconds on vLLM,
+        # longer on our engine), whatever the relay does.
         try:
-            stream = _client(url, key, max_retries=0).chat.completions.create(
-                model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=1000,
-                stream=True, extra_body={"ignore_eos": True})
-            for _chunk in stream:
-                streaming.set()
+            _client(url, key, max_retries=0, timeout=120).chat.completions.create(
+                model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=1800,
+                extra_body={"ignore_eos": True})
             holder_outcome.append("ok")
         except openai.APIError as exc:
             holder_outcome.append(repr(exc))
-        finally:
-            streaming.set()
 
     holder = threading.Thread(target=hold_the_slot)
     holder.start()
-    assert streaming.wait(60)
+    time.sleep(0.3)  # admission takes milliseconds; generating 1,800 tokens takes seconds
     hooks = {"request": [on_request], "response": [on_response]}
     # Enough retries for the slower backend (our engine on CPU) to finish the 1,000-token holder.
     retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
