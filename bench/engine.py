@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.results import write_rendered_section
+
 SECTION_TITLE = "## Inference engine (`make bench-engine`)"
 TRAINED_MODEL = Path("workers/engine/assets/tiny-stdlib")
 OVERHEAD_POLICIES = ("fifo", "lru", "h2o", "token-pd", "global-top-m", "token-pd-per-request")
@@ -369,18 +371,6 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    start = text.find(SECTION_TITLE)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        following = text.find("\n## ", start + len(SECTION_TITLE))
-        tail = "" if following == -1 else text[following + 1 :]
-        text = text[:start] + section + ("\n" + tail if tail else "")
-    path.write_text(text)
-
-
 async def drive_http(
     base_url: str, model: str, streams: int, requests_per_stream: int, prompt: str, max_tokens: int
 ) -> dict[str, float]:
@@ -595,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(overhead, throughput, args, command.strip(), quality, versus)
     if args.write_results:
         here = Path(__file__).resolve().parent
-        write_section(here / "RESULTS.md", section)
+        write_rendered_section(section, here / "RESULTS.md")
         figures_html(overhead, throughput, quality, here / "out" / "engine.html")
         print(f"wrote {here / 'RESULTS.md'} and {here / 'out' / 'engine.html'}")
     else:

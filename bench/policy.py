@@ -31,6 +31,7 @@ from apps.policy import (
     EntitlementLimits,
     admit,
 )
+from bench.results import write_rendered_section
 
 ENTITLEMENTS = 1_000
 IN_FLIGHT = 10_000
@@ -222,18 +223,6 @@ def render(rows: list[tuple[str, float, float, float]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-    start = text.find(SECTION_TITLE)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        following = text.find("\n## ", start + len(SECTION_TITLE))
-        tail = "" if following == -1 else text[following + 1 :]
-        text = text[:start] + section + ("\n" + tail if tail else "")
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", type=int, default=50_000, help="admission decisions per measurement")
@@ -260,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(rows, command.strip())
     if args.write_results:
         path = Path(__file__).resolve().parent / "RESULTS.md"
-        write_section(path, section)
+        write_rendered_section(section, path)
         print(f"wrote {path}")
     return 0
 

@@ -46,3 +46,11 @@ def write_section(title: str, body: str, path: Path = RESULTS) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     path.write_text(text.rstrip() + "\n")
+
+
+def write_rendered_section(section: str, path: Path = RESULTS) -> None:
+    """`write_section` for a section rendered with its own `## title` as the first line."""
+    heading, _, body = section.partition("\n")
+    if not heading.startswith("## "):
+        raise ValueError(f"a rendered section starts with its '## ' heading, got {heading!r}")
+    write_section(heading[3:], body, path)

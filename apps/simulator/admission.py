@@ -16,7 +16,7 @@ from apps.policy.errors import PolicyConfigError
 from apps.policy.ledger import AdmissionLedger
 from apps.policy.priority import Dynamics, DynamicsConfig
 from apps.policy.saturation import InstanceSnapshot, pool_saturation
-from apps.simulator.cluster import ADMIT_NOW, Cluster, GateDecision
+from apps.simulator.cluster import ADMIT_NOW, Cluster, GateDecision, HoldNothing
 from apps.simulator.instance import SimRequest
 from apps.simulator.workload import TenantSpec
 
@@ -32,26 +32,7 @@ def instance_snapshots(cluster: Cluster) -> list[InstanceSnapshot]:
     ]
 
 
-class _HoldNothing:
-    """Shared no-op hooks for adapters without a gateway queue."""
-
-    def on_dispatch(self, request: SimRequest) -> None:
-        return None
-
-    def on_done(self, request: SimRequest) -> None:
-        return None
-
-    def next_dispatch(self) -> SimRequest | None:
-        return None
-
-    def queued(self) -> int:
-        return 0
-
-    def on_capacity_change(self) -> None:
-        return None
-
-
-class BlisAdmission(_HoldNothing):
+class BlisAdmission(HoldNothing):
     """One of seed 004's cluster admission policies, optionally behind per-tenant budgets."""
 
     def __init__(

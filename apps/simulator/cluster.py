@@ -50,16 +50,8 @@ class AdmissionAdapter(Protocol):
     def on_capacity_change(self) -> None: ...
 
 
-class AlwaysAdmitAdapter:
-    """No admission control at all (the seed-000 baseline)."""
-
-    name = "none"
-
-    def bind(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-
-    def decide(self, request: SimRequest) -> GateDecision:
-        return ADMIT_NOW
+class HoldNothing:
+    """Shared no-op hooks for admission adapters without a gateway queue."""
 
     def on_dispatch(self, request: SimRequest) -> None:
         return None
@@ -75,6 +67,18 @@ class AlwaysAdmitAdapter:
 
     def on_capacity_change(self) -> None:
         return None
+
+
+class AlwaysAdmitAdapter(HoldNothing):
+    """No admission control at all (the seed-000 baseline)."""
+
+    name = "none"
+
+    def bind(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def decide(self, request: SimRequest) -> GateDecision:
+        return ADMIT_NOW
 
 
 @dataclass
