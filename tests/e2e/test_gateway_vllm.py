@@ -155,12 +155,18 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
         answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
     holder_outcome: list[str] = []
+    # Both clients exist before the race starts (building one takes ~0.1 s), so the holder reaches the
+    # gateway first and the retrying request meets a held slot.
+    holder_client = _client(url, key, max_retries=0, timeout=120)
+    hooks = {"request": [on_request], "response": [on_response]}
+    # Enough retries for the slower backend (our engine on CPU) to finish the holder.
+    retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
 
     def hold_the_slot() -> None:
-        # Not streamed: the slot is held until the backend has generated all 1,800 tokens (seconds on vLLM,
-        # longer on our engine), whatever the relay does.
+        # Not streamed: the slot is held until the backend has generated all 1,800 tokens (over 2 s on
+        # vLLM here, longer on our engine), whatever the relay does.
         try:
-            _client(url, key, max_retries=0, timeout=120).chat.completions.create(
+            holder_client.chat.completions.create(
                 model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=1800,
                 extra_body={"ignore_eos": True})
             holder_outcome.append("ok")
@@ -169,10 +175,7 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
 
     holder = threading.Thread(target=hold_the_slot)
     holder.start()
-    time.sleep(0.3)  # admission takes milliseconds; generating 1,800 tokens takes seconds
-    hooks = {"request": [on_request], "response": [on_response]}
-    # Enough retries for the slower backend (our engine on CPU) to finish the 1,000-token holder.
-    retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
+    time.sleep(1.0)  # admission takes milliseconds; generating 1,800 tokens takes seconds
     result = retrying.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                               max_tokens=4)
     holder.join(timeout=120)
