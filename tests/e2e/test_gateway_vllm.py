@@ -155,31 +155,32 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
         answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
     holder_outcome: list[str] = []
-    # Both clients exist before the race starts (building one takes ~0.1 s), so the holder reaches the
-    # gateway first and the retrying request meets a held slot.
-    holder_client = _client(url, key, max_retries=0, timeout=120)
     hooks = {"request": [on_request], "response": [on_response]}
     # Enough retries for the slower backend (our engine on CPU) to finish the holder.
     retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
+    admitted = threading.Event()
 
     def hold_the_slot() -> None:
-        # Not streamed: the slot is held until the backend has generated all 1,800 tokens (over 2 s on
-        # vLLM here, longer on our engine), whatever the relay does.
+        # The gateway answers a stream's headers only once it has admitted the request and reached the
+        # backend: from then on the slot is held until the backend has generated 1,800 tokens.
+        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hold"}], "max_tokens": 1800,
+                "stream": True, "ignore_eos": True}
         try:
-            holder_client.chat.completions.create(
-                model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "hold"}], max_tokens=1800,
-                extra_body={"ignore_eos": True})
-            holder_outcome.append("ok")
-        except openai.APIError as exc:
-            holder_outcome.append(repr(exc))
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {key}"}) as response:
+                holder_outcome.append(str(response.status_code))
+                admitted.set()
+                response.read()
+        finally:
+            admitted.set()
 
     holder = threading.Thread(target=hold_the_slot)
     holder.start()
-    time.sleep(1.0)  # admission takes milliseconds; generating 1,800 tokens takes seconds
+    assert admitted.wait(60)
     result = retrying.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                               max_tokens=4)
     holder.join(timeout=120)
-    assert holder_outcome == ["ok"], holder_outcome
+    assert holder_outcome == ["200"], holder_outcome
     assert result.choices[0].message.content is not None
     statuses = [status for _t, status, _h in answered]
     assert statuses[0] == 429 and statuses[-1] == 200, statuses
