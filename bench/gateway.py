@@ -1,11 +1,21 @@
 """Gateway overhead: direct to an instant upstream, through tokenpools (in-process and Redis state) and
 through LiteLLM's proxy, measured with wrk in one run.
 
-    python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--no-litellm] [--write-results]
+    python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
+                            [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
 wrk share core 1, so "requests/s" is per gateway process on one core.
+
+Two kinds of measurement per target:
+- closed loop (wrk's default): every stream sends its next request as soon as the last one is answered.
+  This gives the maximum sustained requests/s; its latency is mostly queueing (Little's law: at 32 streams
+  and X req/s a request waits 32/X s whatever the per-request cost is).
+- paced (`--paced-rate`): 32 streams whose requests together arrive at a fixed rate (each connection waits
+  32/rate s before its next request). Below a target's capacity this gives the latency the proxy adds to
+  each request while 32 streams are open and the process is not saturated; the lowest default rate (50/s)
+  is below LiteLLM's capacity too, so the two are compared there.
 """
 
 from __future__ import annotations
@@ -49,6 +59,9 @@ SERVER_CORE = "0"
 LOADGEN_CORE = "1"
 
 
+PACED_STREAMS = 32
+
+
 @dataclass
 class Measurement:
     target: str
@@ -58,6 +71,7 @@ class Measurement:
     p99_ms: float
     non_2xx: int
     errors: int
+    paced_rate: float | None = None  # offered requests/s of a paced run; None for the closed loop
 
 
 def _pinned(core: str, cmd: list[str]) -> list[str]:
@@ -172,13 +186,16 @@ def _to_ms(value: str) -> float:
     return float(number) * _UNIT_MS[unit]
 
 
-def run_wrk(url: str, key: str, concurrency: int, duration_s: int, workdir: Path) -> tuple[float, float, float, int, int]:
+def run_wrk(url: str, key: str, concurrency: int, duration_s: int, workdir: Path,
+            delay_ms: float | None = None) -> tuple[float, float, float, int, int]:
+    """One wrk run; with `delay_ms` every connection waits that long before each request (paced load)."""
     script = workdir / "post.lua"
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {json.dumps(json.dumps(CHAT_BODY))}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {key}"\n'
+        + ("" if delay_ms is None else f"function delay()\n  return {delay_ms:.3f}\nend\n")
     )
     cmd = _pinned(LOADGEN_CORE, ["wrk", "-t1", f"-c{concurrency}", f"-d{duration_s}s", "--latency", "--timeout", "10s",
                                  "-s", str(script), f"{url}/v1/chat/completions"])
@@ -200,17 +217,26 @@ def measure(label: str, url: str, key: str, args: argparse.Namespace, workdir: P
         rows.append(Measurement(label, c, rps, p50, p99, non2xx, errors))
         print(f"  {label:<22} c={c:<4} {rps:>9.0f} req/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms"
               f"  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
+    for rate in args.paced_rate:
+        delay_ms = PACED_STREAMS / rate * 1000
+        rps, p50, p99, non2xx, errors = run_wrk(url, key, PACED_STREAMS, args.duration, workdir, delay_ms=delay_ms)
+        rows.append(Measurement(label, PACED_STREAMS, rps, p50, p99, non2xx, errors, paced_rate=rate))
+        print(f"  {label:<22} paced {rate:.0f}/s c={PACED_STREAMS} {rps:>6.0f} req/s  p50 {p50:7.2f} ms"
+              f"  p99 {p99:7.2f} ms  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
     return rows
 
 
 def report(rows: list[Measurement], args: argparse.Namespace) -> str:
-    direct = {r.concurrency: r for r in rows if r.target == "direct"}
+    closed = [r for r in rows if r.paced_rate is None]
+    paced = [r for r in rows if r.paced_rate is not None]
+    direct = {r.concurrency: r for r in closed if r.target == "direct"}
     by_target: dict[str, dict[int, Measurement]] = {}
-    for r in rows:
+    for r in closed:
         by_target.setdefault(r.target, {})[r.concurrency] = r
     lines = [
         f"Command: `python -m bench.gateway --duration {args.duration} --concurrency "
-        f"{' '.join(map(str, args.concurrency))}{' --no-litellm' if args.no_litellm else ''}`  ",
+        f"{' '.join(map(str, args.concurrency))} --paced-rate {' '.join(f'{r:g}' for r in args.paced_rate)}"
+        f"{' --no-litellm' if args.no_litellm else ''}`  ",
         f"Machine: {machine_description()}; proxy pinned to core 0, nginx + Redis + wrk on core 1  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -218,39 +244,70 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         "same concurrency. Targets: added p50 < 1.5 ms and p99 < 5 ms at 32 streams; >= 5x LiteLLM's "
         "requests/s per process; <= 1/5 of its added latency.",
         "",
+        "Closed loop (each stream sends its next request as soon as the last is answered: maximum throughput; "
+        "latency here is mostly queueing, streams / throughput):",
+        "",
         "| target | streams | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | non-2xx | socket errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        base = direct.get(r.concurrency)
-        add50 = "" if r.target == "direct" or base is None else f"{r.p50_ms - base.p50_ms:.2f}"
-        add99 = "" if r.target == "direct" or base is None else f"{r.p99_ms - base.p99_ms:.2f}"
-        lines.append(f"| {r.target} | {r.concurrency} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} "
-                     f"| {add50} | {add99} | {r.non_2xx} | {r.errors} |")
+    lines += _latency_rows(closed, direct)
+    for rate in sorted({r.paced_rate for r in paced if r.paced_rate is not None}):
+        at_rate = [r for r in paced if r.paced_rate == rate]
+        lines += [
+            "",
+            f"Paced: {PACED_STREAMS} streams together offering {rate:g} requests/s (below a target's capacity, the "
+            "latency each request gains from the proxy while 32 streams are open; above it, queueing again):",
+            "",
+            "| target | streams | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | non-2xx | socket errors |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += _latency_rows(at_rate, {r.concurrency: r for r in at_rate if r.target == "direct"})
     litellm = by_target.get("litellm")
-    lines += ["", "| tokenpools store | max req/s per process | vs direct | vs LiteLLM | added p50 @32 vs LiteLLM's |",
-              "|---|---:|---:|---:|---:|"]
+    lowest_rate = min((r.paced_rate for r in paced if r.paced_rate is not None), default=None)
+    paced_by_target = {r.target: r for r in paced if r.paced_rate == lowest_rate}
+    paced_label = "n/a" if lowest_rate is None else f"paced {lowest_rate:g}/s"
+    lines += ["", "| tokenpools store | max req/s per process | vs direct | vs LiteLLM | added p50 @32 vs LiteLLM's "
+              f"(closed) | added p50 @32 vs LiteLLM's ({paced_label}) |", "|---|---:|---:|---:|---:|---:|"]
     direct_max = max((r.requests_per_s for r in direct.values()), default=0.0)
     for target, per_c in by_target.items():
         if not target.startswith("tokenpools"):
             continue
         best = max(r.requests_per_s for r in per_c.values())
         vs_direct = f"{best / direct_max:.2f}x" if direct_max else "n/a"
-        vs_litellm = ratio_added = "n/a"
+        vs_litellm = ratio_closed = ratio_paced = "n/a"
         if litellm:
             vs_litellm = f"{best / max(r.requests_per_s for r in litellm.values()):.1f}x"
             if 32 in per_c and 32 in litellm and 32 in direct:
-                ours = per_c[32].p50_ms - direct[32].p50_ms
-                theirs = litellm[32].p50_ms - direct[32].p50_ms
-                ratio_added = f"{ours / theirs:.2f}" if theirs > 0 else "n/a"
-        lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_added} |")
+                ratio_closed = _added_ratio(per_c[32], litellm[32], direct[32])
+        if {target, "litellm", "direct"} <= set(paced_by_target):
+            ratio_paced = _added_ratio(paced_by_target[target], paced_by_target["litellm"], paced_by_target["direct"])
+        lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_closed} | {ratio_paced} |")
     return "\n".join(lines)
+
+
+def _latency_rows(rows: list[Measurement], direct: dict[int, Measurement]) -> list[str]:
+    lines = []
+    for r in rows:
+        base = direct.get(r.concurrency)
+        add50 = "" if r.target == "direct" or base is None else f"{r.p50_ms - base.p50_ms:.2f}"
+        add99 = "" if r.target == "direct" or base is None else f"{r.p99_ms - base.p99_ms:.2f}"
+        lines.append(f"| {r.target} | {r.concurrency} | {r.requests_per_s:.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} "
+                     f"| {add50} | {add99} | {r.non_2xx} | {r.errors} |")
+    return lines
+
+
+def _added_ratio(ours: Measurement, theirs: Measurement, direct: Measurement) -> str:
+    added_ours, added_theirs = ours.p50_ms - direct.p50_ms, theirs.p50_ms - direct.p50_ms
+    return f"{added_ours / added_theirs:.2f}" if added_theirs > 0 else "n/a"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=int, default=10, help="seconds per measurement")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--paced-rate", type=float, nargs="*", default=[50.0, 500.0],
+                        help=f"requests/s offered together by {PACED_STREAMS} paced streams, one run per rate "
+                             "(none: skip the paced runs)")
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (when var/litellm-venv is missing)")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
