@@ -28,41 +28,24 @@ RATE_PER_TENANT = 80.0
 def bench_config(num_requests: int, seed: int = 1) -> SimConfig:
     """Four H100 instances (roofline, qwen/qwen3-8b) offered slightly more than they serve, four entitlements."""
     prompt, output = LengthSpec("fixed", 256), LengthSpec("fixed", 128)
+    # (entitlement, service class, SLO class, SLO target in ms): one tenant per class, elastic twice.
+    shapes = (
+        ("guaranteed", "guaranteed", "critical", 500),
+        ("elastic-a", "elastic", "standard", 2000),
+        ("elastic-b", "elastic", "standard", 10000),
+        ("spot", "spot", "sheddable", 30000),
+    )
     tenants = [
         TenantSpec(
-            "guaranteed",
-            slo_class="critical",
+            name,
+            slo_class=slo_class,
             rate=RATE_PER_TENANT,
-            slo_target_ms=500,
-            entitlement={"service_class": "guaranteed", "concurrency": 256},
+            slo_target_ms=slo_target_ms,
+            entitlement={"service_class": service_class, "concurrency": 256},
             input=prompt,
             output=output,
-        ),  # fmt: skip
-        TenantSpec(
-            "elastic-a",
-            rate=RATE_PER_TENANT,
-            slo_target_ms=2000,
-            entitlement={"service_class": "elastic", "concurrency": 256},
-            input=prompt,
-            output=output,
-        ),  # fmt: skip
-        TenantSpec(
-            "elastic-b",
-            rate=RATE_PER_TENANT,
-            slo_target_ms=10000,
-            entitlement={"service_class": "elastic", "concurrency": 256},
-            input=prompt,
-            output=output,
-        ),  # fmt: skip
-        TenantSpec(
-            "spot",
-            slo_class="sheddable",
-            rate=RATE_PER_TENANT,
-            slo_target_ms=30000,
-            entitlement={"service_class": "spot", "concurrency": 256},
-            input=prompt,
-            output=output,
-        ),  # fmt: skip
+        )
+        for name, service_class, slo_class, slo_target_ms in shapes
     ]
     return SimConfig(
         latency_model="roofline",

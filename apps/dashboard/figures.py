@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from apps.dashboard.telemetry import EntitlementPoint, PoolSample
@@ -37,9 +37,36 @@ POOL_COLOR = "#333333"
 _UID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
-def entitlement_color(name: str) -> str:
-    """A colour fixed by the name, so history, updates and other pages agree without coordination."""
-    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
+def _home_slot(name: str) -> int:
+    return zlib.crc32(name.encode()) % len(PALETTE)
+
+
+def entitlement_colors(names: Iterable[str]) -> dict[str, str]:
+    """A colour per entitlement, distinct among `names` while the palette lasts.
+
+    Each name first tries the slot its checksum picks, so it keeps its colour across reloads, updates and
+    other pages (an entitlement's own page draws it alone) without coordination. Ten slots for a pool's
+    handful of names collide often (globex-spot and acme-preemptible both hash to green), so a name whose
+    slot an earlier name (in sorted order) holds takes the next free one. Past ten names colours repeat."""
+    ordered = sorted(set(names))
+    colors: dict[str, str] = {}
+    taken: set[int] = set()
+    for name in ordered:
+        slot = _home_slot(name)
+        if slot not in taken:
+            taken.add(slot)
+            colors[name] = PALETTE[slot]
+    for name in ordered:
+        if name in colors:
+            continue
+        if len(taken) == len(PALETTE):
+            taken.clear()  # the palette is used up: start another round of it
+        slot = _home_slot(name)
+        while slot in taken:
+            slot = (slot + 1) % len(PALETTE)
+        taken.add(slot)
+        colors[name] = PALETTE[slot]
+    return colors
 
 
 @dataclass(frozen=True)
@@ -114,12 +141,34 @@ def _line(name: str, color: str, *, dash: str = "solid", width: float = 2, **ext
             **extra}
 
 
+@dataclass(frozen=True)
+class _EntitlementLine:
+    """One line per entitlement: trace key `<key>:<name>`, legend `<name> <label>`, `style` for `_line`."""
+
+    key: str
+    label: str
+    read: Callable[[EntitlementPoint], float | None]
+    style: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _specs_line_pairs(names: Sequence[str], main: _EntitlementLine, companion: _EntitlementLine) -> list[TraceSpec]:
+    """Two lines per entitlement in its colour: a measurement and what it is read against (SLO, baseline)
+    or shown beside on a second axis (priority)."""
+    colors = entitlement_colors(names)
+    return [
+        TraceSpec(f"{line.key}:{n}", _line(f"{n} {line.label}", colors[n], **line.style), _ent_value(n, line.read))
+        for n in names
+        for line in (main, companion)
+    ]
+
+
 # --- the trace specs of each figure --------------------------------------------------------------
 
 
 def _specs_inflight(names: Sequence[str]) -> list[TraceSpec]:
+    colors = entitlement_colors(names)
     specs = [
-        TraceSpec(f"inflight:{n}", {**_line(n, entitlement_color(n)), "stackgroup": "inflight", "fill": "tonexty"},
+        TraceSpec(f"inflight:{n}", {**_line(n, colors[n]), "stackgroup": "inflight", "fill": "tonexty"},
                   _ent_value(n, lambda p: p.in_flight))
         for n in names
     ]
@@ -129,8 +178,9 @@ def _specs_inflight(names: Sequence[str]) -> list[TraceSpec]:
 
 
 def _specs_queue(names: Sequence[str]) -> list[TraceSpec]:
+    colors = entitlement_colors(names)
     specs = [
-        TraceSpec(f"queue:{n}", {**_line(n, entitlement_color(n)), "stackgroup": "queued"},
+        TraceSpec(f"queue:{n}", {**_line(n, colors[n]), "stackgroup": "queued"},
                   _ent_value(n, lambda p: p.queued))
         for n in names
     ]
@@ -140,24 +190,22 @@ def _specs_queue(names: Sequence[str]) -> list[TraceSpec]:
 
 
 def _specs_ttft(names: Sequence[str]) -> list[TraceSpec]:
-    specs: list[TraceSpec] = []
-    for n in names:
-        color = entitlement_color(n)
-        specs.append(TraceSpec(f"ttft:{n}", _line(f"{n} p99", color), _ent_value(n, lambda p: p.p99_ttft_s)))
-        specs.append(TraceSpec(f"slo:{n}", _line(f"{n} SLO", color, dash="dash", width=1),
-                               _ent_value(n, lambda p: p.slo_ms / 1000.0 if p.slo_ms > 0 else None)))
+    specs = _specs_line_pairs(
+        names,
+        _EntitlementLine("ttft", "p99", lambda p: p.p99_ttft_s),
+        _EntitlementLine("slo", "SLO", lambda p: p.slo_ms / 1000.0 if p.slo_ms > 0 else None,
+                         {"dash": "dash", "width": 1}),
+    )
     specs.append(TraceSpec("ttft:pool", _line("pool p99", POOL_COLOR, dash="dot"), lambda s: s.p99_ttft_s))
     return specs
 
 
 def _specs_debt_priority(names: Sequence[str]) -> list[TraceSpec]:
-    specs: list[TraceSpec] = []
-    for n in names:
-        color = entitlement_color(n)
-        specs.append(TraceSpec(f"debt:{n}", _line(f"{n} debt", color), _ent_value(n, lambda p: p.debt)))
-        specs.append(TraceSpec(f"priority:{n}", _line(f"{n} priority", color, dash="dot", yaxis="y2"),
-                               _ent_value(n, lambda p: p.priority)))
-    return specs
+    return _specs_line_pairs(
+        names,
+        _EntitlementLine("debt", "debt", lambda p: p.debt),
+        _EntitlementLine("priority", "priority", lambda p: p.priority, {"dash": "dot", "yaxis": "y2"}),
+    )
 
 
 def _denial_reasons(samples: Iterable[PoolSample], names: Sequence[str]) -> list[tuple[str, str]]:
@@ -182,9 +230,10 @@ def _kv_of(replica: str) -> ValueOf:
 
 
 def _specs_admissions(names: Sequence[str], reasons: Sequence[tuple[str, str]]) -> list[TraceSpec]:
+    colors = entitlement_colors(names)
     specs = [
         TraceSpec(f"admitted:{n}", {"type": "bar", "name": f"{n} admitted",
-                                    "marker": {"color": entitlement_color(n)}},
+                                    "marker": {"color": colors[n]}},
                   _ent_value(n, lambda p: p.admitted))
         for n in names
     ]
@@ -193,7 +242,7 @@ def _specs_admissions(names: Sequence[str], reasons: Sequence[tuple[str, str]]) 
         specs.append(TraceSpec(
             f"denied:{n}:{reason}",
             {"type": "bar", "name": f"{n} denied: {reason}",
-             "marker": {"color": entitlement_color(n), "pattern": {"shape": "x"}, "opacity": 0.6}},
+             "marker": {"color": colors[n], "pattern": {"shape": "x"}, "opacity": 0.6}},
             _ent_value(n, _denied_of(reason)),
         ))
     return specs
@@ -229,13 +278,12 @@ def _specs_kv(replicas: Sequence[str]) -> list[TraceSpec]:
 
 
 def _specs_tokens(names: Sequence[str]) -> list[TraceSpec]:
-    specs: list[TraceSpec] = []
-    for n in names:
-        color = entitlement_color(n)
-        specs.append(TraceSpec(f"tokens:{n}", _line(f"{n} served", color), _ent_value(n, lambda p: p.tokens_per_s)))
-        specs.append(TraceSpec(f"baseline:{n}", _line(f"{n} baseline", color, dash="dash", width=1),
-                               _ent_value(n, lambda p: p.baseline_tokens_per_s or None)))
-    return specs
+    return _specs_line_pairs(
+        names,
+        _EntitlementLine("tokens", "served", lambda p: p.tokens_per_s),
+        _EntitlementLine("baseline", "baseline", lambda p: p.baseline_tokens_per_s or None,
+                         {"dash": "dash", "width": 1}),
+    )
 
 
 # --- the figures ---------------------------------------------------------------------------------

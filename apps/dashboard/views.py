@@ -10,9 +10,11 @@ form carries the CSRF token, and every state-changing action is POST-only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.models import User
@@ -38,7 +40,7 @@ from apps.pools import services as pool_services
 from apps.pools.models import EntitlementState
 from apps.tenancy import selectors as tenancy_selectors
 from apps.tenancy import services as tenancy_services
-from apps.tenancy.models import Role
+from apps.tenancy.models import ApiKey, Role
 
 T = TypeVar("T")
 GET_OR_POST = ["GET", "POST"]
@@ -65,8 +67,34 @@ def _call_service(form: Any, call: Callable[[], T]) -> T | None:
         return None
 
 
-def _form_page(request: AuthenticatedRequest, template: str, status: int = 200, **context: Any) -> HttpResponse:
-    return render(request, template, context, status=status)
+def _service_form_page(
+    request: AuthenticatedRequest,
+    template: str,
+    *,
+    make_form: Callable[..., forms.Form],
+    save: Callable[[dict[str, Any]], T],
+    on_saved: Callable[[T], HttpResponse],
+    initial: Callable[[], dict[str, Any]] | None = None,
+    **context: Any,
+) -> HttpResponse:
+    """The one flow of every create and edit page: a GET shows ``make_form(initial=...)``; a POST binds
+    ``make_form(request.POST)``, hands the cleaned data to ``save`` (one service call) and answers with
+    ``on_saved(result)``. An invalid form, or a service's ValidationError, shows the page again with the
+    errors. ``initial`` is a callable so that its queries run only for the GET that shows it."""
+    if request.method == "POST":
+        form = make_form(request.POST)
+        if form.is_valid():
+            saved = _call_service(form, lambda: save(form.cleaned_data))
+            if saved is not None:
+                return on_saved(saved)
+    else:
+        form = make_form(initial=initial() if initial is not None else None)
+    return render(request, template, {"form": form, **context})
+
+
+def _redirect_with_success(request: AuthenticatedRequest, message: str, to: str, **url_kwargs: Any) -> HttpResponse:
+    messages.success(request, message)
+    return redirect(to, **url_kwargs)
 
 
 # --- static assets ---------------------------------------------------------------------------------
@@ -133,25 +161,29 @@ def entitlement_create(request: AuthenticatedRequest) -> HttpResponse:
     if not tenants.exists():
         raise PermissionDenied("only owners of a tenant may create entitlements")
     pools = pool_selectors.pool_list(user=request.user)
-    initial: dict[str, Any] = {"tenant": tenants.first()} if tenants.count() == 1 else {}
-    if request.method == "POST":
-        form = EntitlementForm(request.POST, tenants=tenants, pools=pools)
-        if form.is_valid():
-            data = form.cleaned_data
-            entitlement = _call_service(
-                form, lambda: pool_services.entitlement_create(actor=request.user, **data)
-            )
-            if entitlement is not None:
-                messages.success(
-                    request, f"Entitlement {entitlement.name} created: {entitlement.state} ({entitlement.state_reason})."
-                )
-                return redirect("ui:entitlement-detail", name=entitlement.name)
-    else:
+
+    def initial() -> dict[str, Any]:
+        # Preselect what leaves no choice (a single tenant) and the pool the "New entitlement here" link names.
+        values: dict[str, Any] = {"tenant": tenants.first()} if tenants.count() == 1 else {}
         pool_name = request.GET.get("pool")
         if pool_name and pools.filter(name=pool_name).exists():
-            initial["pool"] = pool_name
-        form = EntitlementForm(initial=initial, tenants=tenants, pools=pools)
-    return _form_page(request, "dashboard/entitlement_form.html", form=form, creating=True)
+            values["pool"] = pool_name
+        return values
+
+    return _service_form_page(
+        request,
+        "dashboard/entitlement_form.html",
+        make_form=partial(EntitlementForm, tenants=tenants, pools=pools),
+        initial=initial,
+        save=lambda data: pool_services.entitlement_create(actor=request.user, **data),
+        on_saved=lambda entitlement: _redirect_with_success(
+            request,
+            f"Entitlement {entitlement.name} created: {entitlement.state} ({entitlement.state_reason}).",
+            "ui:entitlement-detail",
+            name=entitlement.name,
+        ),
+        creating=True,
+    )
 
 
 @login_required
@@ -179,19 +211,21 @@ def entitlement_edit(request: AuthenticatedRequest, name: str) -> HttpResponse:
     if not tenancy_selectors.user_is_owner(user=request.user, tenant=entitlement.tenant):
         raise PermissionDenied("only owners of the tenant may change its entitlements")
     pools = pool_selectors.pool_list(user=request.user)
-    if request.method == "POST":
-        form = EntitlementForm(request.POST, tenants=None, pools=pools)
-        if form.is_valid():
-            data = form.cleaned_data
-            updated = _call_service(
-                form, lambda: pool_services.entitlement_update(actor=request.user, entitlement=entitlement, **data)
-            )
-            if updated is not None:
-                messages.success(request, f"Entitlement {updated.name} saved: {updated.state} ({updated.state_reason}).")
-                return redirect("ui:entitlement-detail", name=updated.name)
-    else:
-        form = EntitlementForm(initial=EntitlementForm.initial_for(entitlement), tenants=None, pools=pools)
-    return _form_page(request, "dashboard/entitlement_form.html", form=form, creating=False, entitlement=entitlement)
+    return _service_form_page(
+        request,
+        "dashboard/entitlement_form.html",
+        make_form=partial(EntitlementForm, tenants=None, pools=pools),
+        initial=lambda: EntitlementForm.initial_for(entitlement),
+        save=lambda data: pool_services.entitlement_update(actor=request.user, entitlement=entitlement, **data),
+        on_saved=lambda updated: _redirect_with_success(
+            request,
+            f"Entitlement {updated.name} saved: {updated.state} ({updated.state_reason}).",
+            "ui:entitlement-detail",
+            name=updated.name,
+        ),
+        creating=False,
+        entitlement=entitlement,
+    )
 
 
 @login_required
@@ -199,8 +233,9 @@ def entitlement_edit(request: AuthenticatedRequest, name: str) -> HttpResponse:
 def entitlement_delete(request: AuthenticatedRequest, name: str) -> HttpResponse:
     entitlement = pool_selectors.entitlement_get(user=request.user, name=name)
     pool_services.entitlement_delete(actor=request.user, entitlement=entitlement)
-    messages.success(request, f"Entitlement {name} revoked; its keys no longer work and its capacity is freed.")
-    return redirect("ui:entitlement-list")
+    return _redirect_with_success(
+        request, f"Entitlement {name} revoked; its keys no longer work and its capacity is freed.", "ui:entitlement-list"
+    )
 
 
 # --- API keys ----------------------------------------------------------------------------------------
@@ -224,23 +259,24 @@ def key_list(request: AuthenticatedRequest) -> HttpResponse:
 @require_http_methods(GET_OR_POST)
 def key_create(request: AuthenticatedRequest) -> HttpResponse:
     entitlements = pool_selectors.entitlement_list(user=request.user)
-    if request.method == "POST":
-        form = ApiKeyForm(request.POST, entitlements=entitlements)
-        if form.is_valid():
-            created = _call_service(
-                form, lambda: tenancy_services.apikey_create(actor=request.user, **form.cleaned_data)
-            )
-            if created is not None:
-                key, secret = created
-                # Rendered, not redirected: the secret exists only in this response and is never stored.
-                return render(request, "dashboard/key_created.html", {"key": key, "secret": secret}, status=201)
-    else:
-        initial = {}
+
+    def initial() -> dict[str, Any]:
         wanted = request.GET.get("entitlement")
-        if wanted and entitlements.filter(name=wanted).exists():
-            initial["entitlement"] = wanted
-        form = ApiKeyForm(initial=initial, entitlements=entitlements)
-    return _form_page(request, "dashboard/key_form.html", form=form)
+        return {"entitlement": wanted} if wanted and entitlements.filter(name=wanted).exists() else {}
+
+    def created(key_and_secret: tuple[ApiKey, str]) -> HttpResponse:
+        key, secret = key_and_secret
+        # Rendered, not redirected: the secret exists only in this response and is never stored.
+        return render(request, "dashboard/key_created.html", {"key": key, "secret": secret}, status=201)
+
+    return _service_form_page(
+        request,
+        "dashboard/key_form.html",
+        make_form=partial(ApiKeyForm, entitlements=entitlements),
+        initial=initial,
+        save=lambda data: tenancy_services.apikey_create(actor=request.user, **data),
+        on_saved=created,
+    )
 
 
 @login_required
@@ -248,8 +284,7 @@ def key_create(request: AuthenticatedRequest) -> HttpResponse:
 def key_revoke(request: AuthenticatedRequest, key_id: int) -> HttpResponse:
     key = tenancy_selectors.apikey_get(user=request.user, key_id=key_id)
     tenancy_services.apikey_revoke(actor=request.user, key=key)
-    messages.success(request, f"Key {key.prefix}… revoked.")
-    return redirect("ui:key-list")
+    return _redirect_with_success(request, f"Key {key.prefix}… revoked.", "ui:key-list")
 
 
 # --- pools -------------------------------------------------------------------------------------------
@@ -280,16 +315,14 @@ def pool_detail(request: AuthenticatedRequest, name: str) -> HttpResponse:
 @require_http_methods(GET_OR_POST)
 def pool_create(request: AuthenticatedRequest) -> HttpResponse:
     _require_superuser(request)
-    if request.method == "POST":
-        form = PoolForm(request.POST)
-        if form.is_valid():
-            pool = _call_service(form, lambda: pool_services.pool_create(actor=request.user, **form.cleaned_data))
-            if pool is not None:
-                messages.success(request, f"Pool {pool.name} created.")
-                return redirect("ui:pool-detail", name=pool.name)
-    else:
-        form = PoolForm()
-    return _form_page(request, "dashboard/pool_form.html", form=form, creating=True)
+    return _service_form_page(
+        request,
+        "dashboard/pool_form.html",
+        make_form=PoolForm,
+        save=lambda data: pool_services.pool_create(actor=request.user, **data),
+        on_saved=lambda pool: _redirect_with_success(request, f"Pool {pool.name} created.", "ui:pool-detail", name=pool.name),
+        creating=True,
+    )
 
 
 @login_required
@@ -297,18 +330,19 @@ def pool_create(request: AuthenticatedRequest) -> HttpResponse:
 def pool_edit(request: AuthenticatedRequest, name: str) -> HttpResponse:
     _require_superuser(request)
     pool = pool_selectors.pool_get(user=request.user, name=name)
-    if request.method == "POST":
-        form = PoolForm(request.POST, editing=True)
-        if form.is_valid():
-            updated = _call_service(
-                form, lambda: pool_services.pool_update(actor=request.user, pool=pool, **form.cleaned_data)
-            )
-            if updated is not None:
-                messages.success(request, f"Pool {updated.name} saved; its entitlements were re-evaluated.")
-                return redirect("ui:pool-detail", name=updated.name)
-    else:
-        form = PoolForm(initial=PoolForm.initial_for(pool), editing=True)
-    return _form_page(request, "dashboard/pool_form.html", form=form, creating=False, pool=pool)
+    return _service_form_page(
+        request,
+        "dashboard/pool_form.html",
+        make_form=partial(PoolForm, editing=True),
+        initial=lambda: PoolForm.initial_for(pool),
+        save=lambda data: pool_services.pool_update(actor=request.user, pool=pool, **data),
+        on_saved=lambda updated: _redirect_with_success(
+            request, f"Pool {updated.name} saved; its entitlements were re-evaluated.", "ui:pool-detail",
+            name=updated.name,
+        ),
+        creating=False,
+        pool=pool,
+    )
 
 
 @login_required
@@ -322,8 +356,7 @@ def pool_delete(request: AuthenticatedRequest, name: str) -> HttpResponseBase:
         for message in exc.messages:
             messages.error(request, message)
         return redirect("ui:pool-detail", name=name)
-    messages.success(request, f"Pool {name} deleted.")
-    return redirect("ui:pool-list")
+    return _redirect_with_success(request, f"Pool {name} deleted.", "ui:pool-list")
 
 
 @login_required
@@ -336,10 +369,12 @@ def replica_toggle(request: AuthenticatedRequest, name: str, replica_id: int) ->
         raise Http404("no such replica in this pool")
     enabled = not replica.enabled
     pool_services.replica_set_enabled(actor=request.user, replica=replica, enabled=enabled)
-    messages.success(
-        request, f"Replica {replica.url} {'enabled' if enabled else 'disabled'}; the pool's entitlements were re-evaluated."
+    return _redirect_with_success(
+        request,
+        f"Replica {replica.url} {'enabled' if enabled else 'disabled'}; the pool's entitlements were re-evaluated.",
+        "ui:pool-detail",
+        name=pool.name,
     )
-    return redirect("ui:pool-detail", name=pool.name)
 
 
 # --- tenants (superusers) ----------------------------------------------------------------------------
@@ -357,18 +392,16 @@ def tenant_list(request: AuthenticatedRequest) -> HttpResponse:
 @require_http_methods(GET_OR_POST)
 def tenant_create(request: AuthenticatedRequest) -> HttpResponse:
     _require_superuser(request)
-    if request.method == "POST":
-        form = TenantForm(request.POST)
-        if form.is_valid():
-            tenant = _call_service(
-                form, lambda: tenancy_services.tenant_create(actor=request.user, **form.cleaned_data)
-            )
-            if tenant is not None:
-                messages.success(request, f"Tenant {tenant.slug} created.")
-                return redirect("ui:tenant-detail", slug=tenant.slug)
-    else:
-        form = TenantForm()
-    return _form_page(request, "dashboard/tenant_form.html", form=form, creating=True)
+    return _service_form_page(
+        request,
+        "dashboard/tenant_form.html",
+        make_form=TenantForm,
+        save=lambda data: tenancy_services.tenant_create(actor=request.user, **data),
+        on_saved=lambda tenant: _redirect_with_success(
+            request, f"Tenant {tenant.slug} created.", "ui:tenant-detail", slug=tenant.slug
+        ),
+        creating=True,
+    )
 
 
 @login_required
@@ -394,18 +427,18 @@ def tenant_detail(request: AuthenticatedRequest, slug: str) -> HttpResponse:
 def tenant_edit(request: AuthenticatedRequest, slug: str) -> HttpResponse:
     _require_superuser(request)
     tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
-    if request.method == "POST":
-        form = TenantForm(request.POST)
-        if form.is_valid():
-            updated = _call_service(
-                form, lambda: tenancy_services.tenant_update(actor=request.user, tenant=tenant, **form.cleaned_data)
-            )
-            if updated is not None:
-                messages.success(request, f"Tenant {updated.slug} saved.")
-                return redirect("ui:tenant-detail", slug=updated.slug)
-    else:
-        form = TenantForm(initial={"name": tenant.name, "slug": tenant.slug})
-    return _form_page(request, "dashboard/tenant_form.html", form=form, creating=False, tenant=tenant)
+    return _service_form_page(
+        request,
+        "dashboard/tenant_form.html",
+        make_form=TenantForm,
+        initial=lambda: {"name": tenant.name, "slug": tenant.slug},
+        save=lambda data: tenancy_services.tenant_update(actor=request.user, tenant=tenant, **data),
+        on_saved=lambda updated: _redirect_with_success(
+            request, f"Tenant {updated.slug} saved.", "ui:tenant-detail", slug=updated.slug
+        ),
+        creating=False,
+        tenant=tenant,
+    )
 
 
 @login_required
@@ -414,8 +447,9 @@ def tenant_delete(request: AuthenticatedRequest, slug: str) -> HttpResponse:
     _require_superuser(request)
     tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
     tenancy_services.tenant_delete(actor=request.user, tenant=tenant)
-    messages.success(request, f"Tenant {slug} deleted with its memberships, entitlements and keys.")
-    return redirect("ui:tenant-list")
+    return _redirect_with_success(
+        request, f"Tenant {slug} deleted with its memberships, entitlements and keys.", "ui:tenant-list"
+    )
 
 
 @login_required
@@ -452,8 +486,9 @@ def membership_remove(request: AuthenticatedRequest, slug: str, membership_id: i
     if membership.tenant.pk != tenant.pk:
         raise Http404("no such membership in this tenant")
     tenancy_services.membership_remove(actor=request.user, membership=membership)
-    messages.success(request, f"{membership.user.get_username()} removed from {tenant.slug}.")
-    return redirect("ui:tenant-detail", slug=tenant.slug)
+    return _redirect_with_success(
+        request, f"{membership.user.get_username()} removed from {tenant.slug}.", "ui:tenant-detail", slug=tenant.slug
+    )
 
 
 # --- live dashboards -----------------------------------------------------------------------------------

@@ -81,6 +81,14 @@ class BudgetScheduler:
     def config(self, flow: Hashable) -> FlowConfig | None:
         return self.flows.get(flow, self.default_flow)
 
+    def set_flow(self, flow: Hashable, config: FlowConfig) -> None:
+        """Add a flow or change its weight and queue depth (entitlements come and go after construction).
+
+        The new weight counts from the flow's next DRR turn. A smaller `queue_max` drops nothing already
+        queued: only later submits see the shorter queue, as a budget shrink never cancels work."""
+        self.flows[flow] = config
+        self._drr.set_weight(flow, config.weight)
+
     def submit(self, flow: Hashable, item: Any, now: float) -> SubmitResult:
         config = self.config(flow)
         if config is None:

@@ -110,6 +110,13 @@ class _Entitlement:
         self.rejected_tokens = 0.0
         self.rejected_kv = 0.0
 
+    def count_refusal(self, tokens: float, kv: float) -> None:
+        """A request turned away for lack of capacity (rejected, or expired while waiting): the demand
+        that the next EWMA tick adds to what was served."""
+        self.rejected_count += 1
+        self.rejected_tokens += tokens
+        self.rejected_kv += kv
+
     def accumulate(self, now: float) -> None:
         elapsed = now - self.last_change
         if elapsed > 0:
@@ -452,10 +459,7 @@ class AdmissionLedger:
             expired.append(entry)
         for entry in expired:
             self._finish_waiting(entry, now)
-            record = entry.entitlement
-            record.rejected_count += 1
-            record.rejected_tokens += entry.cost
-            record.rejected_kv += entry.kv
+            entry.entitlement.count_refusal(entry.cost, entry.kv)
             self.counters.expired += 1
         return [entry.request_id for entry in expired]
 
@@ -474,9 +478,7 @@ class AdmissionLedger:
         counters.rejected += 1
         counters.by_reason[decision.reason] = counters.by_reason.get(decision.reason, 0) + 1
         if record is not None and decision.reason in CAPACITY_REASONS:
-            record.rejected_count += 1
-            record.rejected_tokens += decision.token_cost
-            record.rejected_kv += decision.kv_bytes
+            record.count_refusal(decision.token_cost, decision.kv_bytes)
         if self.retry_jitter and decision.retryable:
             # Spread retries so that a recovery does not meet a thundering herd (seed 000, 5.3).
             decision = decision._replace(

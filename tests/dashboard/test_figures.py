@@ -138,10 +138,27 @@ def test_update_carries_the_template_of_a_trace_the_browser_lacks() -> None:
 
 
 def test_colours_follow_the_name_not_the_position() -> None:
+    # Names before and after acme-a whose checksums pick other palette slots than acme-a's.
     alone = traces(figures.figure_inflight_stacked([sample(0, point("acme-a"))], visible_entitlements=None))
     crowd = traces(figures.figure_inflight_stacked(
-        [sample(0, point("aaa"), point("acme-a"), point("zzz"))], visible_entitlements=None))
+        [sample(0, point("aab"), point("acme-a"), point("zzz"))], visible_entitlements=None))
     assert alone["inflight:acme-a"]["line"]["color"] == crowd["inflight:acme-a"]["line"]["color"]
+
+
+def test_entitlements_of_a_pool_get_distinct_colours() -> None:
+    # The demo pool's two names whose checksums pick the same palette slot (both came out green).
+    crowd = [sample(0, point("globex-spot"), point("acme-preemptible"))]
+    for build in (figures.figure_inflight_stacked, figures.figure_tokens_vs_baseline):
+        fig = traces(build(crowd, visible_entitlements=None))
+        colours = {meta.split(":")[1]: trace["line"]["color"] for meta, trace in fig.items()
+                   if meta.split(":")[1] in {"globex-spot", "acme-preemptible"}}
+        assert colours["globex-spot"] != colours["acme-preemptible"], build.__name__
+    # Up to the palette's size every name gets its own colour, whatever their checksums.
+    names = [f"tenant-{i}" for i in range(len(figures.PALETTE))]
+    assert len(set(figures.entitlement_colors(names).values())) == len(figures.PALETTE)
+    # The first name (sorted) keeps its checksum's colour: the one it has drawn alone on its own page.
+    alone = figures.entitlement_colors(["acme-preemptible"])
+    assert figures.entitlement_colors(["acme-preemptible", "globex-spot"])["acme-preemptible"] == alone["acme-preemptible"]
 
 
 def test_filtering_a_sample_for_a_tenant_user_drops_pool_totals(history: list[PoolSample]) -> None:

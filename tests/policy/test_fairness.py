@@ -127,6 +127,31 @@ def test_budget_scheduler_queue_max_timeout_and_budget_changes() -> None:
         FlowConfig(weight=0)
 
 
+def test_budget_scheduler_set_flow_adds_a_flow_and_changes_its_weight_and_queue() -> None:
+    # Entitlements appear after the scheduler is built: set_flow must reach both the flow table
+    # (queue depth, unknown-flow check) and the DRR weights.
+    scheduler = BudgetScheduler(0, default_flow=None)
+    assert scheduler.submit("A", "a", now=0).reason == "unknown_flow"
+    scheduler.set_flow("A", FlowConfig(weight=2, queue_max=100))
+    scheduler.set_flow("B", FlowConfig(weight=1, queue_max=100))
+    for i in range(30):
+        assert scheduler.submit("A", f"a{i}", now=0).accepted
+        assert scheduler.submit("B", f"b{i}", now=0).accepted
+    assert [t.flow for t in scheduler.set_budget(9, now=0)].count("A") == 6  # 2:1
+
+    scheduler.set_budget(0, now=1)
+    for _ in range(9):
+        scheduler.release(now=1)
+    scheduler.set_flow("B", FlowConfig(weight=2, queue_max=100))
+    assert scheduler.config("B") == FlowConfig(weight=2, queue_max=100)
+    assert [t.flow for t in scheduler.set_budget(8, now=1)].count("B") == 4  # now 1:1
+
+    # A shorter queue drops nothing already queued; it refuses the next submit.
+    scheduler.set_flow("A", FlowConfig(weight=2, queue_max=1))
+    assert scheduler.queued_for("A") > 1
+    assert scheduler.submit("A", "late", now=2).reason == "queue_full"
+
+
 # -- seed 004 flow control ---------------------------------------------------------------------
 
 
