@@ -10,15 +10,20 @@ AIMD tick (seed 002): every 5 s, the p99 of the gateway's TTFT over the last 30 
 pool's budget: +1 below target x 0.8 when there is demand, multiplicative decrease above
 target x 1.2 (then a cooldown), hold in between. The controller itself is `apps.policy.AimdController`;
 what it needs between ticks (cap, cooldown, the TTFT window) lives in a `ControlState`: in-process
-for the embedded server, Redis when several processes share it. Gateways add TTFT observations to
-it (`ttft_observe`) and read the budget (`aimd_load(pool).cap`).
+for the embedded server, Redis when several processes share it. With Redis there is one controller
+per pool (`aimd_tick_shared`): gateway processes add their TTFT counts to the shared window (`ttft_add`,
+batched once a second), the tick publishes each new budget in the gateway's state store, and every
+gateway process's dispatch takes one of that many slots there (`RedisStateStore.slot_acquire`). The
+embedded server without Redis keeps one controller in its own process (`apps.gateway.scheduler`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,9 +37,11 @@ from apps.policy import (
     EntitlementLimits,
     InstanceSnapshot,
     ResourceVector,
+    rebucket,
+    ttft_histogram_bounds,
     update_dynamics,
 )
-from apps.policy.aimd import DEFAULT_TTFT_BUCKETS_S, histogram_quantile
+from apps.policy.aimd import histogram_quantile
 
 # --- EWMA tick ------------------------------------------------------------------------------------
 
@@ -136,22 +143,38 @@ class AimdRecord:
     ticks: int = 0
 
 
-class ControlState(ABC):
-    """State of the control loops themselves, shared by whoever runs the ticks and the gateways."""
+# The TTFT buckets of the seeds' 2 s target: what a control state counts in unless told its target.
+DEFAULT_TTFT_TARGET_S = 2.0
 
-    bounds: tuple[float, ...] = DEFAULT_TTFT_BUCKETS_S
+
+class ControlState(ABC):
+    """State of the control loops themselves, shared by whoever runs the ticks and the gateways.
+
+    `bounds` are the TTFT buckets: `apps.policy.ttft_histogram_bounds(target)`, the same the gateway's
+    own histogram and the AIMD controller of that target use, so the shared p99 is measured at the
+    band's edges rather than interpolated across them.
+    """
+
+    bounds: tuple[float, ...] = ttft_histogram_bounds(DEFAULT_TTFT_TARGET_S)
 
     def bucket(self, seconds: float) -> int:
         return _bucket_index(self.bounds, seconds)
+
+    def _own(self, counts: Sequence[int], bounds: Sequence[float] | None) -> list[int]:
+        """`counts` (over `bounds`, default ours, +Inf last) as counts over our bounds."""
+        if bounds is None or tuple(float(b) for b in bounds) == self.bounds:
+            size = len(self.bounds) + 1
+            return [int(c) for c in counts[:size]] + [0] * max(0, size - len(counts))
+        return rebucket(zip((*bounds, math.inf), counts, strict=False), self.bounds)
 
     @abstractmethod
     def ttft_observe(self, pool: str, seconds: float) -> None:
         """Count one TTFT observation into the pool's current window slice (gateways call this)."""
 
     @abstractmethod
-    def ttft_add(self, pool: str, counts: Sequence[int]) -> None:
-        """Add bucket counts (`bounds` + the +Inf bucket) at once: a gateway flushing its own
-        per-process histogram every second instead of one write per request."""
+    def ttft_add(self, pool: str, counts: Sequence[int], bounds: Sequence[float] | None = None) -> None:
+        """Add bucket counts (over `bounds`, default this state's, + the +Inf bucket) at once: a
+        gateway flushing its own per-process histogram every second instead of one write per request."""
 
     @abstractmethod
     def ttft_rotate(self, pool: str, window_ticks: int) -> list[int]:
@@ -162,6 +185,10 @@ class ControlState(ABC):
 
     @abstractmethod
     def aimd_save(self, pool: str, record: AimdRecord) -> None: ...
+
+    @abstractmethod
+    def claim(self, name: str, ttl_s: float) -> bool:
+        """Take the lock `name` for `ttl_s` unless someone holds it (never released: it runs out)."""
 
     @abstractmethod
     def swap_last_run(self, tick: str, now: float) -> float | None:
@@ -191,6 +218,10 @@ class ControlState(ABC):
         pass
 
 
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
 def _bucket_index(bounds: Sequence[float], seconds: float) -> int:
     import bisect
 
@@ -202,7 +233,9 @@ def _bucket_index(bounds: Sequence[float], seconds: float) -> int:
 class MemoryControlState(ControlState):
     """One process's control state (the embedded server, the standalone loop without Redis)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, bounds: Sequence[float] | None = None) -> None:
+        if bounds is not None:
+            self.bounds = tuple(float(b) for b in bounds)
         self._lock = threading.Lock()
         self._current: dict[str, list[int]] = {}
         self._windows: dict[str, deque[list[int]]] = {}
@@ -211,6 +244,7 @@ class MemoryControlState(ControlState):
         self._demand: dict[str, float] = {}
         self._desired: dict[str, int] = {}
         self._instances: dict[str, list[InstanceSnapshot]] = {}
+        self._claims: dict[str, float] = {}
 
     def ttft_observe(self, pool: str, seconds: float) -> None:
         index = self.bucket(seconds)
@@ -218,11 +252,12 @@ class MemoryControlState(ControlState):
             counts = self._current.setdefault(pool, [0] * (len(self.bounds) + 1))
             counts[index] += 1
 
-    def ttft_add(self, pool: str, counts: Sequence[int]) -> None:
+    def ttft_add(self, pool: str, counts: Sequence[int], bounds: Sequence[float] | None = None) -> None:
+        own = self._own(counts, bounds)
         with self._lock:
             current = self._current.setdefault(pool, [0] * (len(self.bounds) + 1))
-            for index, count in enumerate(counts[: len(current)]):
-                current[index] += int(count)
+            for index, count in enumerate(own):
+                current[index] += count
 
     def ttft_rotate(self, pool: str, window_ticks: int) -> list[int]:
         with self._lock:
@@ -240,6 +275,14 @@ class MemoryControlState(ControlState):
     def aimd_save(self, pool: str, record: AimdRecord) -> None:
         with self._lock:
             self._aimd[pool] = record
+
+    def claim(self, name: str, ttl_s: float) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if self._claims.get(name, -math.inf) > now:
+                return False
+            self._claims[name] = now + ttl_s
+            return True
 
     def swap_last_run(self, tick: str, now: float) -> float | None:
         with self._lock:
@@ -283,17 +326,21 @@ return values
 class RedisControlState(ControlState):
     """The control state in Redis, shared by the Celery worker and every gateway process.
 
-    Keys (prefix `tokenpools:ctl:`): `ttft:{pool}:current` (hash bucket -> count, HINCRBY by the
-    gateways), `ttft:{pool}:window` (list of JSON slices, newest first), `aimd:{pool}` (hash: the
+    Keys (prefix `tokenpools:ctl:`): `ttft:{pool}:current` (hash: a bucket's upper bound, Prometheus'
+    `le` ("2.4", "+Inf"), -> count, HINCRBY by the gateways), `ttft:{pool}:window` (list of JSON slices
+    {le: count}, newest first). Buckets are named by their bound, not their position, so a writer and a
+    reader configured with different targets still add up (`apps.policy.rebucket`); `aimd:{pool}` (hash: the
     AimdRecord; `cap` is the pool budget gateways read), `last:{tick}`, `demand_tps` (hash pool -> tokens/s), `desired_replicas` (hash pool -> replicas),
     `instances:{pool}` (JSON list of the scrape's InstanceSnapshots).
     """
 
     PREFIX = "tokenpools:ctl:"
 
-    def __init__(self, *, url: str | None = None, client: Any = None) -> None:
+    def __init__(self, *, url: str | None = None, client: Any = None, bounds: Sequence[float] | None = None) -> None:
         import redis
 
+        if bounds is not None:
+            self.bounds = tuple(float(b) for b in bounds)
         if client is None and not url:
             raise ValueError("RedisControlState needs a Redis URL or client")
         # Any: redis-py's stubs type replies as bytes | str; with decode_responses they are str.
@@ -304,33 +351,38 @@ class RedisControlState(ControlState):
         return self.PREFIX + ":".join(parts)
 
     def ttft_observe(self, pool: str, seconds: float) -> None:
-        self.redis.hincrby(self._key("ttft", pool, "current"), str(self.bucket(seconds)), 1)
+        index = self.bucket(seconds)
+        le = _le(self.bounds[index] if index < len(self.bounds) else math.inf)
+        self.redis.hincrby(self._key("ttft", pool, "current"), le, 1)
 
-    def ttft_add(self, pool: str, counts: Sequence[int]) -> None:
+    def ttft_add(self, pool: str, counts: Sequence[int], bounds: Sequence[float] | None = None) -> None:
+        edges = (*(self.bounds if bounds is None else bounds), math.inf)
         key = self._key("ttft", pool, "current")
         pipe = self.redis.pipeline(transaction=False)
-        for index, count in enumerate(counts[: len(self.bounds) + 1]):
+        for le, count in zip(edges, counts, strict=False):
             if count:
-                pipe.hincrby(key, str(index), int(count))
+                pipe.hincrby(key, _le(le), int(count))
         pipe.execute()
+
+    def _counts(self, by_le: Mapping[str, Any]) -> list[int]:
+        return rebucket(((float(le), int(count)) for le, count in by_le.items()), self.bounds)
 
     def ttft_rotate(self, pool: str, window_ticks: int) -> list[int]:
         flat = self._take(keys=[self._key("ttft", pool, "current")])
-        current = [0] * (len(self.bounds) + 1)
-        for index, count in zip(flat[::2], flat[1::2], strict=True):
-            position = int(index)
-            if 0 <= position < len(current):
-                current[position] += int(count)
+        current = self._counts(dict(zip(flat[::2], flat[1::2], strict=True)))
+        edges = (*self.bounds, math.inf)
         window_key = self._key("ttft", pool, "window")
         pipe = self.redis.pipeline()
-        pipe.lpush(window_key, json.dumps(current))
+        pipe.lpush(window_key, json.dumps({_le(le): count for le, count in zip(edges, current, strict=True) if count}))
         pipe.ltrim(window_key, 0, window_ticks - 1)
         pipe.lrange(window_key, 0, window_ticks - 1)
         slices = pipe.execute()[-1]
         totals = [0] * len(current)
         for raw in slices:
-            for position, count in enumerate(json.loads(raw)[: len(totals)]):
-                totals[position] += int(count)
+            piece = json.loads(raw)
+            if isinstance(piece, dict):  # a list is a slice of the old positional format: dropped
+                for position, count in enumerate(self._counts(piece)):
+                    totals[position] += count
         return totals
 
     def aimd_load(self, pool: str) -> AimdRecord | None:
@@ -352,6 +404,9 @@ class RedisControlState(ControlState):
     def aimd_save(self, pool: str, record: AimdRecord) -> None:
         mapping = {k: ("" if v is None else str(v)) for k, v in asdict(record).items()}
         self.redis.hset(self._key("aimd", pool), mapping=mapping)
+
+    def claim(self, name: str, ttl_s: float) -> bool:
+        return bool(self.redis.set(self._key("claim", name), "1", nx=True, px=max(1, int(ttl_s * 1000))))
 
     def swap_last_run(self, tick: str, now: float) -> float | None:
         previous = self.redis.getset(self._key("last", tick), repr(now))
@@ -401,6 +456,9 @@ class AimdParams:
     cooldown_ticks: int = 3
     min_samples: int = 10
     min_budget: int = 1
+    # The floor as a share of the pool's slots (the gateway's GATEWAY_BUDGET_MIN_FRACTION): the same
+    # floor whether one controller per process or one per pool tunes the budget.
+    min_budget_fraction: float = 0.0
 
 
 def aimd_tick(
@@ -418,7 +476,7 @@ def aimd_tick(
     records: dict[str, AimdRecord] = {}
     for pool, capacity in pools.items():
         max_cap = max(1, int(capacity))
-        min_cap = min(max(1, params.min_budget), max_cap)
+        min_cap = min(max(1, params.min_budget, math.ceil(max_cap * params.min_budget_fraction)), max_cap)
         previous = state.aimd_load(pool)
         cap = max_cap if previous is None else min(max(previous.cap, min_cap), max_cap)
         controller = AimdController(
@@ -438,4 +496,26 @@ def aimd_tick(
         )
         state.aimd_save(pool, record)
         records[pool] = record
+    return records
+
+
+async def aimd_tick_shared(
+    *,
+    store: Any,
+    state: ControlState,
+    pools: Mapping[str, int],
+    params: AimdParams,
+) -> dict[str, AimdRecord]:
+    """The one AIMD controller of each pool when several gateway processes share a Redis state store.
+
+    Reads demand (requests admitted on the pool, every process together) from the gateway's state
+    store, steps every pool's budget from the shared TTFT window the gateways flush into `state`, and
+    publishes the new budgets in the store, where every gateway's slot script reads them on its next
+    dispatch. `store` is an `apps.gateway.state.GatewayStateStore`; a store without a shared budget
+    (the in-process one) is given nothing.
+    """
+    in_flight = {pool: await store.pool_running(pool=pool) for pool in pools}
+    # The control state may be Redis behind a blocking client: off the caller's event loop.
+    records = await asyncio.to_thread(aimd_tick, state=state, pools=pools, params=params, in_flight=in_flight)
+    await store.pool_budgets_set(budgets={pool: record.cap for pool, record in records.items()})
     return records

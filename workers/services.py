@@ -6,7 +6,8 @@ State goes through the gateway's state store (`apps.gateway.state`): the Redis s
 `GATEWAY_STATE_BACKEND=redis` (one per tick run, closed after it), else the in-process store of the
 gateway living in this process (reached on the server's event loop, see `bind_gateway_loop`).
 The control loops' own state (AIMD cap and window, tick times, observed demand) is a
-`workers.dynamics.ControlState`: Redis when `REDIS_URL` is set, else in this process.
+`workers.dynamics.ControlState`: Redis when `REDIS_URL` is set, else in this process. Its TTFT buckets
+are the AIMD controller's (`apps.policy.ttft_histogram_bounds(GATEWAY_TTFT_TARGET_S)`), as the gateway's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 from django.conf import settings
 from django.utils import timezone
 
-from apps.policy import EntitlementLimits
+from apps.policy import EntitlementLimits, ttft_histogram_bounds
 from workers.dynamics import (
     AimdParams,
     AimdRecord,
@@ -30,6 +31,7 @@ from workers.dynamics import (
     MemoryControlState,
     RedisControlState,
     aimd_tick,
+    aimd_tick_shared,
     ewma_tick,
 )
 
@@ -61,8 +63,11 @@ def control_state() -> ControlState:
     global _control
     with _control_guard:
         if _control is None:
+            from apps.gateway.config import GatewayConfig
+
             url = getattr(settings, "REDIS_URL", "")
-            _control = RedisControlState(url=url) if url else MemoryControlState()
+            bounds = ttft_histogram_bounds(GatewayConfig.from_settings().ttft_target_s)
+            _control = RedisControlState(url=url, bounds=bounds) if url else MemoryControlState(bounds=bounds)
         return _control
 
 
@@ -163,27 +168,36 @@ def _pool_capacities() -> dict[str, int]:
     return capacities
 
 
+def aimd_params(config: Any, tick_s: float) -> AimdParams:
+    """The shared controller's parameters from a `GatewayConfig`: the same target, window and floor as
+    the gateway's own per-process controller."""
+    return AimdParams(
+        target_p99_s=config.ttft_target_s,
+        window_ticks=max(1, round(config.aimd_window_s / tick_s)),
+        min_budget=config.budget_min,
+        min_budget_fraction=config.budget_min_fraction,
+    )
+
+
 def tick_aimd() -> dict[str, AimdRecord]:
-    """One AIMD step of every pool's shared budget from its TTFT window."""
+    """One AIMD step of every pool's shared budget from its TTFT window, published in the gateway's
+    state store (with Redis every gateway process enforces it from its next dispatch on)."""
     from apps.gateway.config import GatewayConfig
 
-    config = GatewayConfig.from_settings()
-    period = _period("aimd")
-    params = AimdParams(
-        target_p99_s=config.ttft_target_s,
-        window_ticks=max(1, round(config.aimd_window_s / period)),
-        min_budget=config.budget_min,
-    )
+    params = aimd_params(GatewayConfig.from_settings(), _period("aimd"))
     pools = _pool_capacities()
-
-    async def running(store: Any) -> dict[str, int]:
-        return {pool: await store.pool_running(pool=pool) for pool in pools}
-
+    state = control_state()
     try:
-        in_flight = with_gateway_store(running)
-    except StoreUnavailable:
-        in_flight = {}
-    return aimd_tick(state=control_state(), pools=pools, params=params, in_flight=in_flight)
+        return with_gateway_store(lambda store: aimd_tick_shared(store=store, state=state, pools=pools, params=params))
+    except StoreUnavailable:  # no gateway here (run_ticks without Redis): the record only
+        return aimd_tick(state=state, pools=pools, params=params)
+
+
+def claim_tick(name: str, period_s: float) -> bool:
+    """True for one caller per `period_s` among every process sharing the control state: several
+    gateway processes each ticking the shared AIMD controller in-process (no Celery) take turns under
+    this short lock, so the pool's budget moves once a period, not once per process."""
+    return control_state().claim(f"tick:{name}", period_s)
 
 
 def tick_scrape() -> Any:

@@ -231,9 +231,10 @@ class Ticker:
 
 # In-process ticking (embedded server) ------------------------------------------------------------
 
-# Ticks the embedded server runs itself. The AIMD tick is left out: each gateway process already
-# ticks its own pool schedulers (apps.gateway.app, every GATEWAY_AIMD_TICK_S); the shared AIMD tick
-# here drives the budget kept in Redis for several gateway processes.
+# Ticks the embedded server runs itself. The AIMD tick is left out: the gateway ticks it (apps.gateway.app,
+# every GATEWAY_AIMD_TICK_S): alone, its own controller per pool; with Redis and no Celery, the pool's one
+# shared controller, run by one gateway process per period under a short lock. Celery beat and
+# `run_ticks` run the shared AIMD tick here (`tick_aimd`), which publishes the budget in the gateway's store.
 IN_PROCESS_TICKS = ("ewma", "scrape", "autoscale", "expiry", "usage_rollup", "dashboard")
 # Ticks that read what only a server process holds (its schedulers, counters and channel layer): they
 # run in every server process even when Celery runs the others, and never under Celery beat.

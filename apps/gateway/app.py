@@ -67,6 +67,8 @@ BAD_REQUEST_REASONS = frozenset(
 )
 PREEMPTED = "preempted"
 LEASE_RENEW_S = 10.0
+# With a shared store, how often this process's TTFT counts go to the pool's shared window.
+TTFT_FLUSH_S = 1.0
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
 JSON_TYPE = (b"content-type", b"application/json")
 
@@ -177,10 +179,14 @@ class Gateway:
         snapshots: SnapshotCache | None = None,
         store: GatewayStateStore | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        control: Any = None,
     ) -> None:
         self.config = config or GatewayConfig.from_settings()
         self.snapshots = snapshots or SnapshotCache(config=self.config)
         self.store = store
+        # The control loops' state (`workers.dynamics.ControlState`; default `workers.services.control_state()`):
+        # with a shared store, this process's TTFT counts go to its window and the shared AIMD tick reads it.
+        self.control = control
         self.metrics = GatewayMetrics()
         self.schedulers: dict[str, PoolScheduler] = {}
         self.replicas: dict[str, ReplicaSet] = {}
@@ -237,6 +243,8 @@ class Gateway:
                     loop.create_task(self._every(self.config.usage_flush_s, self.usage.flush), name="gw-usage"),
                     loop.create_task(self._every(LEASE_RENEW_S, self.leases_tick), name="gw-leases"),
                 ]
+                if self.store.shares_budget:
+                    self._tasks.append(loop.create_task(self._every(TTFT_FLUSH_S, self.ttft_flush), name="gw-ttft"))
             self._started = True
 
     def _make_store(self) -> GatewayStateStore:
@@ -283,12 +291,64 @@ class Gateway:
         ids = [rid for contexts in self.running.values() for rid in contexts]
         try:
             await self.store.leases_renew(request_ids=ids)
+            for scheduler in list(self.schedulers.values()):
+                await scheduler.renew_slots()
             return await self.store.leases_reap()
         except StateStoreUnavailable:
             return 0
 
-    def aimd_tick(self) -> dict[str, int]:
-        return aimd_tick_all(list(self.schedulers.values()))
+    def _control_state(self) -> Any:
+        if self.control is None:
+            from workers.services import control_state
+
+            self.control = control_state()
+        return self.control
+
+    async def aimd_tick(self) -> dict[str, int]:
+        """Every `aimd_tick_s`. One process: its own controller per pool. A shared store: the pool's one
+        controller, run here by one gateway process per period (a short lock in the control state) when
+        no Celery broker runs the ticks; every process then reads the budget it published."""
+        budgets = aimd_tick_all(list(self.schedulers.values()))  # shared: only the local windows move on
+        if self.store is None or not self.store.shares_budget:
+            return budgets
+        from workers.ticks import ticks_mode
+
+        control = self._control_state()
+        if ticks_mode() == "in-process" and await asyncio.to_thread(
+                control.claim, "tick:aimd", 0.9 * self.config.aimd_tick_s):
+            return await self.shared_aimd_tick()
+        for scheduler in list(self.schedulers.values()):
+            budgets[scheduler.name] = await scheduler.refresh_budget()
+        return budgets
+
+    async def shared_aimd_tick(self) -> dict[str, int]:
+        """One step of every pool's shared AIMD controller (`workers.dynamics.aimd_tick_shared`), the
+        pools' capacities from the snapshot (no ORM on the server's loop)."""
+        from workers.dynamics import aimd_tick_shared
+        from workers.services import aimd_params
+
+        assert self.store is not None
+        snapshot = self.snapshots.current or await self.snapshots.get()
+        pools = {pool.name: max(1, pool.concurrency_capacity) for pool in snapshot.pools.values()}
+        records = await aimd_tick_shared(store=self.store, state=self._control_state(), pools=pools,
+                                         params=aimd_params(self.config, self.config.aimd_tick_s))
+        for scheduler in list(self.schedulers.values()):
+            await scheduler.refresh_budget()
+        return {pool: record.cap for pool, record in records.items()}
+
+    async def ttft_flush(self) -> int:
+        """Every second with a shared store: add this process's TTFT counts to each pool's shared window
+        (one write per pool, not one per request) and read the published budgets; returns the count."""
+        control = self._control_state()
+        flushed = 0
+        for scheduler in list(self.schedulers.values()):
+            counts = scheduler.take_ttft()
+            if counts is not None:
+                await asyncio.to_thread(control.ttft_add, scheduler.name, counts, scheduler.histogram.bounds)
+                flushed += sum(counts)
+            with contextlib.suppress(StateStoreUnavailable):
+                await scheduler.refresh_budget()
+        return flushed
 
     async def health_check(self) -> None:
         await self.start()
@@ -311,6 +371,7 @@ class Gateway:
                 pool.name, pool.concurrency_capacity, acquire_timeout_s=self.config.acquire_timeout_s,
                 ttft_target_s=self.config.ttft_target_s, min_budget=self.config.budget_min,
                 min_budget_fraction=self.config.budget_min_fraction, window_ticks=window,
+                store=self.store, fail_open=self.config.fail_open,
             )
         elif scheduler.capacity != max(1, pool.concurrency_capacity):
             scheduler.resize(pool.concurrency_capacity)
@@ -337,7 +398,8 @@ class Gateway:
             lambda: {(name, ): float(s.queued) for name, s in self.schedulers.items()},
         )
         self.metrics.add_gauge(
-            "flow_control_pool_budget", "The pool budget (AIMD cap) of this process.", ("pool",),
+            "flow_control_pool_budget", "The pool budget (AIMD cap): this process's, or the pool's with Redis.",
+            ("pool",),
             lambda: {(name, ): float(s.budget) for name, s in self.schedulers.items()},
         )
         self.metrics.add_gauge(
@@ -566,14 +628,14 @@ class Gateway:
             contexts.pop(ctx.request_id, None)
             if acquired:
                 acquired = False
-                scheduler.release()
+                await scheduler.release_request(ctx.request_id)
             await self._account(entry, pool, reservation, served, ctx)
 
         ctx.finish = finish
         try:
             try:
                 await scheduler.acquire(flow=limits.entitlement_id, service_class=service_class,
-                                        queue_max=entry.queue_max)
+                                        queue_max=entry.queue_max, request_id=ctx.request_id)
             except GatewayError as error:
                 self._count_rejection(entry, limits, error.code)
                 raise
@@ -784,6 +846,12 @@ class Gateway:
                     ctx.task.cancel("client disconnected")
                 return
 
+    def _observe_ttft(self, ctx: _Context, pool: PoolInfo, scheduler: PoolScheduler, seconds: float) -> None:
+        # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
+        entitlement = ctx.entry.entitlement if ctx.entry is not None else ""
+        self.metrics.ttft.observe((pool.name, entitlement), seconds)
+        scheduler.observe_ttft(seconds)
+
     async def _relay_whole(self, send: Any, ctx: _Context, response: httpx.Response, pool: PoolInfo,
                            scheduler: PoolScheduler, served: _Served) -> None:
         try:
@@ -797,10 +865,8 @@ class Gateway:
                 usage = json.loads(data).get("usage") or {}
                 served.prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
                 served.completion_tokens = int(usage["completion_tokens"]) if "completion_tokens" in usage else None
-        now = time.perf_counter()
-        served.first_chunk_at = now
-        self.metrics.ttft.observe((pool.name,), now - ctx.started)
-        scheduler.observe_ttft(now - ctx.started)
+        served.first_chunk_at = time.perf_counter()
+        self._observe_ttft(ctx, pool, scheduler, served.first_chunk_at - ctx.started)
         content_type = response.headers.get("content-type", "application/json").encode("latin-1")
         await ctx.finish()
         await self._send(send, ctx, response.status_code, data, [(b"content-type", content_type)])
@@ -838,9 +904,7 @@ class Gateway:
             if out:
                 if served.first_chunk_at is None:
                     served.first_chunk_at = time.perf_counter()
-                    ttft = served.first_chunk_at - ctx.started
-                    self.metrics.ttft.observe((pool.name,), ttft)
-                    scheduler.observe_ttft(ttft)
+                    self._observe_ttft(ctx, pool, scheduler, served.first_chunk_at - ctx.started)
                 if out[-1].startswith(b"data: [DONE]"):
                     # Clients stop at [DONE] and may send their next request at once: the slot and the
                     # accounting must be released before they can see the end, not after.

@@ -101,7 +101,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.ttft = Histogram(
             "gateway_ttft_seconds", "Gateway entry to first response chunk, queue wait included.",
-            ("pool",), DEFAULT_TTFT_BUCKETS_S,
+            ("pool", "entitlement"), DEFAULT_TTFT_BUCKETS_S,
         )
         self.duration = Histogram(
             "gateway_request_duration_seconds", "Gateway entry to the end of the response.",

@@ -10,6 +10,11 @@ several gateway processes enforce one set of limits exactly.
 
 `RELEASE` is one script too, and idempotent: the reservation lives in its own key, which the first
 release deletes; a second release finds nothing and changes nothing.
+
+The pool budget is shared too (seed 002's one controller per pool): `SLOT_ACQUIRE` is the dispatch of
+every gateway process, one script that drops slots whose lease ran out, reads the budget the shared
+AIMD tick published (`pool:{name}:budget`) and adds the request to `pool:{name}:slots` (a ZSET scored by
+lease expiry) only while fewer than the budget are held. Releasing is a ZREM (idempotent).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import contextlib
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -33,6 +38,7 @@ from apps.gateway.state import (
     RateView,
     Reservation,
     ServedCounters,
+    SlotGrant,
     StateStoreUnavailable,
     rate_view,
 )
@@ -165,6 +171,26 @@ EXPIRED = _REFILL + """
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s(), 'LIMIT', 0, 100)
 """
 
+# One slot of the pool's budget: drop the slots whose lease ran out (a dead process's), then add this
+# request if fewer than the budget are held. The budget is the one the shared AIMD tick published,
+# clipped to the pool's capacity the caller knows (replicas may have gone); none published: the capacity.
+SLOT_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local capacity = tonumber(ARGV[3])
+local budget = tonumber(redis.call('GET', KEYS[2]) or capacity) or capacity
+if budget > capacity then budget = capacity end
+local held = redis.call('ZCARD', KEYS[1])
+local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if mine or held < budget then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+  if not mine then held = held + 1 end
+  return {1, budget, held}
+end
+return {0, budget, held}
+"""
+
 DRAIN = """
 local v = redis.call('HMGET', KEYS[1], 'served_tokens', 'served_requests', 'demand_tokens', 'rejected')
 redis.call('HDEL', KEYS[1], 'served_tokens', 'served_requests', 'demand_tokens', 'rejected')
@@ -196,6 +222,7 @@ class RedisStateStore(GatewayStateStore):
         self._drain = self.redis.register_script(DRAIN)
         self._renew = self.redis.register_script(RENEW)
         self._expired = self.redis.register_script(EXPIRED)
+        self._slot = self.redis.register_script(SLOT_ACQUIRE)
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
@@ -372,6 +399,46 @@ class RedisStateStore(GatewayStateStore):
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+    # --- the pool budget shared by every gateway process -----------------------------------------------
+
+    shares_budget = True
+
+    def _slot_keys(self, pool: str) -> tuple[str, str]:
+        base = f"{self.prefix}pool:{pool}"
+        return base + ":slots", base + ":budget"
+
+    async def slot_acquire(self, *, pool: str, request_id: str, capacity: int, lease_s: float) -> SlotGrant:
+        raw = await self._call(self._slot, list(self._slot_keys(pool)), [request_id, lease_s, max(0, capacity)])
+        return SlotGrant(int(raw[0]) == 1, int(raw[1]), int(raw[2]))
+
+    async def slot_release(self, *, pool: str, request_id: str) -> None:
+        try:
+            await self.redis.zrem(self._slot_keys(pool)[0], request_id)
+        except (RedisError, OSError) as exc:
+            raise StateStoreUnavailable(str(exc)) from exc
+
+    async def slots_renew(self, *, pool: str, request_ids: list[str], lease_s: float) -> None:
+        if request_ids:
+            await self._call(self._renew, [self._slot_keys(pool)[0]], [lease_s, *request_ids])
+
+    async def pool_budgets_set(self, *, budgets: Mapping[str, int]) -> None:
+        if not budgets:
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for pool, budget in budgets.items():
+                    pipe.set(self._slot_keys(pool)[1], int(budget))
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise StateStoreUnavailable(str(exc)) from exc
+
+    async def pool_budget(self, *, pool: str) -> int | None:
+        try:
+            value = await self.redis.get(self._slot_keys(pool)[1])
+        except (RedisError, OSError) as exc:
+            raise StateStoreUnavailable(str(exc)) from exc
+        return None if value is None else int(value)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from apps.gateway.snapshot import PoolInfo
@@ -65,6 +65,17 @@ class AdmitResult:
     decision: AdmissionDecision
     reservation: Reservation | None
     view: RateView
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGrant:
+    """The answer of a shared store to a request for one slot of a pool's budget."""
+
+    granted: bool
+    # The budget the store enforced (the published AIMD budget, clipped to the pool's capacity).
+    budget: int
+    # Slots held on the pool, every process together, after this call.
+    held: int
 
 
 @dataclass(slots=True)
@@ -139,6 +150,28 @@ class GatewayStateStore(ABC):
 
     async def evictions_listen(self, handler: Callable[[str], None]) -> None:  # noqa: B027 - optional hook
         """Call `handler(request_id)` for each eviction any process publishes (runs until cancelled)."""
+
+    # One pool budget for every gateway process (seed 002's "one controller per pool"). The in-process
+    # store needs none of it: its process's `PoolScheduler` is the only one dispatching to the pool.
+    shares_budget: bool = False
+
+    async def slot_acquire(self, *, pool: str, request_id: str, capacity: int, lease_s: float) -> SlotGrant:
+        """Take a slot of the pool's budget for `request_id` if fewer than the budget are held (a slot it
+        already holds is renewed); slots whose lease ran out (their process died) are dropped first."""
+        return SlotGrant(True, capacity, 0)
+
+    async def slot_release(self, *, pool: str, request_id: str) -> None:  # noqa: B027 - optional hook
+        """Give the slot back (idempotent)."""
+
+    async def slots_renew(self, *, pool: str, request_ids: list[str], lease_s: float) -> None:  # noqa: B027
+        """Extend the leases of slots this process holds."""
+
+    async def pool_budgets_set(self, *, budgets: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
+        """Publish the pools' budgets (the shared AIMD tick)."""
+
+    async def pool_budget(self, *, pool: str) -> int | None:
+        """The published budget of the pool; None when none was published."""
+        return None
 
 
 @dataclass(slots=True)

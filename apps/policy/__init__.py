@@ -45,7 +45,8 @@ flow_control.py `FlowController` (004 "Flow Control Admission": bands, per-flow 
 aimd.py         `AimdController(target_p99_s, min_cap, max_cap, ...)`: `tick(p99_s, samples,
                 has_demand)` and `.cap` (002, final form: deadband, demand gate counting in-flight,
                 cooldown after decreases only, floor, ceiling, multiplicative or subtractive);
-                `LatencyHistogram`, `histogram_quantile` (bucket interpolation).
+                `LatencyHistogram`, `histogram_quantile` (bucket interpolation), `ttft_histogram_bounds`
+                (the one set of TTFT buckets of a target), `rebucket` (counts between bucket sets).
 clock.py        `Clock` protocol, `MonotonicClock` (the only real clock), `ManualClock` (tests, simulator).
 errors.py       `PolicyConfigError` (a ValueError): invalid parameters fail early with a clear message.
 
@@ -76,7 +77,13 @@ from apps.policy.admission import (
     admit,
     request_priority,
 )
-from apps.policy.aimd import AimdController, LatencyHistogram, histogram_quantile
+from apps.policy.aimd import (
+    AimdController,
+    LatencyHistogram,
+    histogram_quantile,
+    rebucket,
+    ttft_histogram_bounds,
+)
 from apps.policy.blis import (
     AdmissionStage,
     AlwaysAdmit,
@@ -192,9 +199,11 @@ __all__ = [
     "pool_saturation",
     "priority_in",
     "priority_weight",
+    "rebucket",
     "request_priority",
     "select_eviction_victim",
     "service_gap",
     "slo_priority",
+    "ttft_histogram_bounds",
     "update_dynamics",
 ]

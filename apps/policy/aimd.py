@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from apps.policy.errors import PolicyConfigError, require_finite, require_positive
 
@@ -56,6 +56,26 @@ def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[int])
             return lower + (bounds[index] - lower) * (rank - cumulative) / count
         cumulative += count
     return bounds[-1]
+
+
+def ttft_histogram_bounds(
+    target_p99_s: float, band: float = 0.2, base: Sequence[float] = DEFAULT_TTFT_BUCKETS_S
+) -> tuple[float, ...]:
+    """The bucket bounds every TTFT histogram a controller of this target reads: `base` plus the band
+    edges and the target (see `AimdController.histogram_bounds`). One function, so the gateway's own
+    histogram and the shared window of the control loops count into the same buckets."""
+    edges = (target_p99_s * (1.0 - band), target_p99_s, target_p99_s * (1.0 + band))
+    return tuple(sorted({float(b) for b in base} | {float(edge) for edge in edges if edge > 0}))
+
+
+def rebucket(counts_by_le: Iterable[tuple[float, int]], bounds: Sequence[float]) -> list[int]:
+    """Bucket counts keyed by their upper bound (`le`, `inf` for +Inf) re-counted into `bounds` (+Inf
+    last). An observation of a bucket (lo, le] goes to the bucket of `bounds` holding `le`: exact when
+    `le` is one of `bounds`, else rounded up (a p99 read from it is never under-estimated)."""
+    counts = [0] * (len(bounds) + 1)
+    for le, count in counts_by_le:
+        counts[bisect.bisect_left(bounds, le)] += int(count)
+    return counts
 
 
 class LatencyHistogram:
@@ -146,8 +166,7 @@ class AimdController:
         estimate is interpolation, not a measurement (TTFTs crowding just above 1 s read as a p99 near
         2.5 s, and the controller cuts to its floor). With the edges as bounds, `p99 > upper` holds exactly
         when more than 1 % of the window is above `upper`, so each decision is the one the true p99 gives."""
-        edges = (self.lower, self.target_p99_s, self.upper)
-        return tuple(sorted(set(base) | {edge for edge in edges if edge > 0}))
+        return ttft_histogram_bounds(self.target_p99_s, self.band, base)
 
     def _decreased(self) -> int:
         if self.mode == "aimd":

@@ -43,6 +43,8 @@ OUTCOME_COMPLETED = "completed"
 OUTCOME_EVICTED = "evicted"
 OUTCOME_EXPIRED = "expired"
 OUTCOME_CANCELLED = "cancelled"
+# A tick closer than this to the previous one measures nothing (rates over it would be infinite).
+MIN_TICK_WINDOW_S = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -650,7 +652,9 @@ class AdmissionLedger:
         requests); demand adds what was refused for lack of capacity or is still waiting, with a
         refused request counted as one mean holding time of slots (Little's law)."""
         elapsed = now - self._last_tick
-        if elapsed <= 0:
+        if elapsed < MIN_TICK_WINDOW_S:
+            # Rates over a vanishing window are infinite (a tick right after another one, a clock that
+            # stood still): keep the window open and let the next tick measure it.
             return {key: record.dynamics for key, record in self._entitlements.items()}
         updated: dict[str, Dynamics] = {}
         for key, record in self._entitlements.items():

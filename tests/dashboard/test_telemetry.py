@@ -141,7 +141,7 @@ async def test_pool_p99_ttft_comes_from_the_gateway_histogram_over_a_window(gate
     first = await telemetry.telemetry_sample_pool(pool="qwen", now=T0, **kwargs)
     assert first is not None and first.p99_ttft_s is None  # no request yet: no p99, not a zero
     for _ in range(50):
-        gateway.metrics.ttft.observe(("qwen",), 0.3)
+        gateway.metrics.ttft.observe(("qwen", "acme-chat"), 0.3)
     second = await telemetry.telemetry_sample_pool(pool="qwen", now=T0 + 1, **kwargs)
     assert second is not None and second.p99_ttft_s is not None and 0.25 <= second.p99_ttft_s <= 0.5
     # The window forgets: TTFT_WINDOW_SAMPLES quiet samples later there is no p99 again.
@@ -151,13 +151,10 @@ async def test_pool_p99_ttft_comes_from_the_gateway_histogram_over_a_window(gate
 
 
 @pytest.mark.asyncio
-async def test_p99_per_entitlement_once_the_gateway_labels_ttft_by_entitlement(gateway: Gateway) -> None:
-    """Only collect_pool_sample knows the gateway's metrics: a histogram labelled (pool, entitlement)
-    gives each entitlement its own p99 and the pool the p99 over all of them."""
-    from apps.gateway.metrics import Histogram
-    from apps.policy.aimd import DEFAULT_TTFT_BUCKETS_S
-
-    gateway.metrics.ttft = Histogram("gateway_ttft_seconds", "TTFT", ("pool", "entitlement"), DEFAULT_TTFT_BUCKETS_S)
+async def test_p99_per_entitlement_from_the_gateway_ttft_labelled_by_entitlement(gateway: Gateway) -> None:
+    """The gateway's histogram is labelled (pool, entitlement): each entitlement gets its own p99 and the
+    pool the p99 over all of them."""
+    assert gateway.metrics.ttft.label_names == ("pool", "entitlement")
     state = CollectorState()
     kwargs: dict[str, Any] = {"gateway": gateway, "channel_layer": InMemoryChannelLayer(), "history": MemoryHistory(),
                               "state": state}

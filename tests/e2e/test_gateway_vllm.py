@@ -182,9 +182,9 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
     holder = threading.Thread(target=hold_the_slot)
     holder.start()
     # The signal that the slot is taken is the gateway's own count of the entitlement's admitted requests,
-    # not the holder's response headers: a CPU-starved vLLM front end can answer the headers only once it
-    # has generated the whole stream (seen directly against vLLM, without the gateway), and by then the
-    # gateway has released the slot. The count is 1 from admission until the backend's last chunk.
+    # not the holder's response headers: on a loaded 2-core machine a process (vLLM's front end, the gateway)
+    # can go unscheduled for seconds, so the headers may reach the client only with the whole stream, after
+    # the gateway has released the slot. The count is 1 from admission until the backend's last chunk.
     assert _wait_for_entitlement_in_flight(url, "single-slot", 1, timeout_s=60), "the holder was never admitted"
     result = retrying.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                               max_tokens=4)

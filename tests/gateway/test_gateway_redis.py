@@ -145,3 +145,129 @@ def test_preemption_reaches_streams_held_by_another_gateway_process(
     finally:
         server.call(second.stop())
         server.stop()
+
+
+def _budget_gauge(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('flow_control_pool_budget{pool="tiny"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no flow_control_pool_budget for the pool")
+
+
+@pytest.fixture
+def shared_control(redis_url: str) -> Iterator[Any]:
+    """The control loops' state in the same Redis, isolated from other tests, in the gateways' buckets."""
+    from apps.policy import ttft_histogram_bounds
+    from workers.dynamics import RedisControlState
+
+    state = RedisControlState(url=redis_url, bounds=ttft_histogram_bounds(0.5))
+    state.PREFIX = f"tokenpools:test:{uuid.uuid4().hex}:"
+    yield state
+    for key in state.redis.scan_iter(state.PREFIX + "*"):
+        state.redis.delete(key)
+    state.close()
+
+
+def test_two_gateway_processes_share_one_aimd_controller_and_its_budget(
+    gateway_factory: Any, upstream_factory: Any, redis_url: str, shared_control: Any
+) -> None:
+    import asyncio
+
+    from apps.gateway.app import Gateway
+    from tests.gateway.servers import ServerThread
+    from workers.dynamics import AimdRecord
+
+    prefix = f"t{uuid.uuid4().hex}:"
+    upstream, _ = upstream_factory(first_token_delay_s=0.8)
+    first = gateway_factory(
+        upstreams=[upstream], store=RedisStateStore(url=redis_url, prefix=prefix),
+        pool={"slots_per_replica": 8}, entitlement={"concurrency": 8},
+        # A window of one tick (5 s / 5 s): each tick reads what was flushed since the last one.
+        config={"tokenize": False, "ttft_target_s": 0.5, "acquire_timeout_s": 10.0, "aimd_window_s": 5.0},
+    )
+    first.gateway.control = shared_control
+    # A second process: same snapshot, same Redis, its own memory and scheduler.
+    second = Gateway(config=first.gateway.config, snapshots=first.gateway.snapshots,
+                     store=RedisStateStore(url=redis_url, prefix=prefix), control=shared_control)
+    server = ServerThread(second).start()
+    gateways = [(first.gateway, first.server), (second, server)]
+
+    def fire(per_gateway: int) -> list[int]:
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                responses = await asyncio.gather(*(
+                    client.post(url + "/v1/chat/completions", json=BODY, headers=first.auth())
+                    for url in (first.url, server.url) for _ in range(per_gateway)))
+            return [r.status_code for r in responses]
+
+        upstream.peak = 0
+        return run()  # type: ignore[return-value]
+
+    def flush() -> list[int]:
+        return [thread.call(gateway.ttft_flush()) for gateway, thread in gateways]
+
+    def tick() -> dict[str, int]:
+        return first.server.call(first.gateway.shared_aimd_tick())
+
+    try:
+        # Slow first tokens (0.8 s against a 0.5 s target), 6 through each process: neither alone has the
+        # controller's 10 samples, the shared window has 12.
+        for _ in range(2):
+            assert asyncio.run(fire(3)) == [200] * 6
+        assert flush() == [6, 6]
+        assert tick() == {"tiny": 4}  # 8 slots, halved
+        record = shared_control.aimd_load("tiny")
+        assert (record.samples, record.last_action) == (12, "decrease")
+        flush()  # each process reads the published budget (its dispatches already enforce it)
+        assert [_budget_gauge(first.url), _budget_gauge(server.url)] == [4.0, 4.0]
+        assert asyncio.run(fire(4)) == [200] * 8
+        assert upstream.peak == 4  # 8 requests at once through two processes, 4 at a time
+
+        # Fast first tokens, below the band: the next tick grows the shared budget by one.
+        assert sum(flush()) == 8
+        assert tick() == {"tiny": 4}  # the cooldown after a decrease; the slow samples leave the window
+        shared_control.aimd_save("tiny", AimdRecord(cap=2, min_cap=2, max_cap=8))
+        upstream.first_token_delay_s = 0.0
+        for _ in range(2):
+            assert asyncio.run(fire(3)) == [200] * 6
+        assert flush() == [6, 6]
+        assert tick() == {"tiny": 3}
+        assert shared_control.aimd_load("tiny").last_action == "increase"
+        upstream.first_token_delay_s = 0.3
+        assert asyncio.run(fire(4)) == [200] * 8
+        assert upstream.peak == 3
+        assert [_budget_gauge(first.url), _budget_gauge(server.url)] == [3.0, 3.0]
+        assert first.usage().in_flight == 0
+    finally:
+        server.call(second.stop())
+        server.stop()
+
+
+def test_one_gateway_process_per_period_runs_the_shared_tick(
+    gateway_factory: Any, redis_url: str, shared_control: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from apps.gateway.app import Gateway
+    from tests.gateway.servers import ServerThread
+
+    monkeypatch.setenv("TOKENPOOLS_TICKS", "in-process")  # no Celery: the gateways tick the shared controller
+    prefix = f"t{uuid.uuid4().hex}:"
+    first = gateway_factory(store=RedisStateStore(url=redis_url, prefix=prefix), pool={"slots_per_replica": 8},
+                            config={"tokenize": False, "ttft_target_s": 0.5, "aimd_tick_s": 2.0})
+    first.gateway.control = shared_control
+    second = Gateway(config=first.gateway.config, snapshots=first.gateway.snapshots,
+                     store=RedisStateStore(url=redis_url, prefix=prefix), control=shared_control)
+    server = ServerThread(second).start()
+    try:
+        assert httpx.post(server.url + "/v1/chat/completions", json=BODY, headers=first.auth()).status_code == 200
+        counts = [0] * (len(shared_control.bounds) + 1)
+        counts[-1] = 20  # far above the band
+        shared_control.ttft_add("tiny", counts)
+        first.server.call(first.gateway.aimd_tick())
+        server.call(second.aimd_tick())  # same period: the other process already ticked
+        record = shared_control.aimd_load("tiny")
+        assert (record.ticks, record.cap) == (1, 4)
+        assert server.call(second.aimd_tick()) == {"tiny": 4}  # still that period: it only reads the budget
+        assert second.schedulers["tiny"].budget == 4
+    finally:
+        server.call(second.stop())
+        server.stop()

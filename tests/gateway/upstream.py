@@ -43,6 +43,8 @@ class Upstream:
     linger_after_done_s: float = 0.0
     received: list[dict[str, Any]] = field(default_factory=list)
     active: int = 0
+    # The most requests it served at once (reset it by hand between phases of a test).
+    peak: int = 0
     cancelled: int = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -97,6 +99,7 @@ class Upstream:
         n = payload["max_tokens"] if self.max_output is None else min(payload["max_tokens"], self.max_output)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         self.active += 1
+        self.peak = max(self.peak, self.active)
         try:
             if payload.get("stream"):
                 # Like vLLM, stop generating when the caller goes away.

@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from apps.policy import AimdController, LatencyHistogram, PolicyConfigError, histogram_quantile
+from apps.policy import (
+    AimdController,
+    LatencyHistogram,
+    PolicyConfigError,
+    histogram_quantile,
+    rebucket,
+    ttft_histogram_bounds,
+)
 
 TARGET = 2.0  # seconds; deadband [1.6, 2.4]
 
@@ -139,3 +146,14 @@ def test_histogram_bounds_resolve_the_deadband_so_decisions_follow_the_true_p99(
     assert fine.quantile(0.99) < controller.lower
     assert controller.tick_histogram(fine, True) == 65
     assert controller.last_action == "increase"
+
+
+def test_one_set_of_ttft_bounds_per_target_and_counts_moved_between_sets() -> None:
+    # The gateway's histogram, the shared window and the controller all take their buckets from here.
+    assert ttft_histogram_bounds(TARGET) == controller().histogram_bounds()
+    assert {0.4, 0.5, 0.6} <= set(ttft_histogram_bounds(0.5))
+    fine = ttft_histogram_bounds(TARGET)
+    # Counts keyed by upper bound: exact where the bound exists, rounded up to the next bound otherwise.
+    counts = rebucket([(1.6, 3), (2.4, 2), (3.0, 1), (math.inf, 4)], fine)
+    assert counts[fine.index(1.6)] == 3 and counts[fine.index(2.4)] == 2
+    assert counts[fine.index(5.0)] == 1 and counts[-1] == 4 and sum(counts) == 10

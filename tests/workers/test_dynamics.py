@@ -12,7 +12,7 @@ import pytest
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import MemoryStateStore
-from apps.policy import AdmissionRequest, Dynamics, EntitlementLimits, InstanceSnapshot
+from apps.policy import AdmissionRequest, Dynamics, EntitlementLimits, InstanceSnapshot, ttft_histogram_bounds
 from workers.dynamics import (
     AimdParams,
     AimdRecord,
@@ -21,6 +21,7 @@ from workers.dynamics import (
     MemoryControlState,
     RedisControlState,
     aimd_tick,
+    aimd_tick_shared,
     dynamics_step,
     ewma_tick,
 )
@@ -143,13 +144,14 @@ def test_aimd_budget_moves_on_each_side_of_the_deadband(control: ControlState) -
         record = aimd_tick(state=control, pools={"cool": 16}, params=PARAMS)["cool"]
         assert (record.cap, record.last_action) == (expected, "increase")
 
-    # Inside the band: hold. p99 interpolates inside the (1, 2.5] bucket: 1 + 1.5 * (19.8 - 19) = 2.2 s.
+    # Inside the band: hold. The control state counts in the controller's band-edge buckets (1.6, 2.0 and
+    # 2.4 s among them): p99 interpolates inside (1.6, 2.0]: 1.6 + 0.4 * (19.8 - 19) = 1.92 s.
     control.aimd_save("steady", AimdRecord(cap=8, min_cap=1, max_cap=16))
     _observe(control, "steady", 0.75, n=19)
     _observe(control, "steady", 2.0, n=1)
     record = aimd_tick(state=control, pools={"steady": 16}, params=PARAMS)["steady"]
     assert (record.cap, record.last_action) == (8, "hold_band")
-    assert record.p99_s == pytest.approx(2.2)
+    assert record.p99_s == pytest.approx(1.92)
     assert control.aimd_load("steady") == record
 
 
@@ -200,3 +202,50 @@ def test_instance_snapshots_round_trip(control: ControlState) -> None:
     assert control.instances("tiny") == snapshots
     control.instances_set("tiny", [])
     assert control.instances("tiny") == []
+
+
+def test_control_state_counts_in_the_controllers_bounds_and_takes_other_bounds(control: ControlState) -> None:
+    # One set of buckets: the AIMD controller's band edges for the configured target (2 s by default).
+    assert control.bounds == ttft_histogram_bounds(2.0)
+    # A gateway configured with a 0.5 s target flushes counts over its own buckets: they are added by
+    # bound, so 0.6 s and 0.4 s land in the buckets holding them here, not at the same positions.
+    theirs = ttft_histogram_bounds(0.5)
+    counts = [0] * (len(theirs) + 1)
+    counts[theirs.index(0.6)] = 7
+    counts[theirs.index(0.4)] = 3
+    control.ttft_add("mixed", counts, theirs)
+    window = control.ttft_rotate("mixed", 1)
+    assert window[control.bucket(0.6)] == 7 and window[control.bucket(0.4)] == 3 and sum(window) == 10
+
+
+def test_claim_lets_one_caller_through_per_period(control: ControlState) -> None:
+    assert control.claim("tick:aimd", 0.3)
+    assert not control.claim("tick:aimd", 0.3)
+    assert control.claim("tick:other", 0.3)
+    import time
+
+    time.sleep(0.35)
+    assert control.claim("tick:aimd", 0.3)
+
+
+@pytest.mark.redis
+def test_shared_aimd_tick_publishes_the_budget_in_the_gateway_store(control: ControlState, redis_url: str) -> None:
+    async def run() -> tuple[dict[str, AimdRecord], int | None, int | None]:
+        store = RedisStateStore(url=redis_url, prefix=f"t{uuid.uuid4().hex}:")
+        try:
+            _observe(control, "hot", 5.0)
+            records = await aimd_tick_shared(store=store, state=control, pools={"hot": 16}, params=PARAMS)
+            return records, await store.pool_budget(pool="hot"), await MemoryStateStore().pool_budget(pool="hot")
+        finally:
+            await store.close()
+
+    records, published, in_memory = asyncio.run(run())
+    assert records["hot"].cap == 8 and published == 8
+    assert in_memory is None  # the in-process store has no shared budget (its process's controller rules)
+
+
+def test_aimd_floor_follows_the_budget_fraction(control: ControlState) -> None:
+    params = AimdParams(target_p99_s=2.0, window_ticks=1, cooldown_ticks=0, min_samples=10, min_budget_fraction=0.25)
+    for expected in (32, 16, 16):  # 64 -> 32 -> 16, the floor at a quarter of the slots
+        _observe(control, "floor", 30.0)
+        assert aimd_tick(state=control, pools={"floor": 64}, params=params)["floor"].cap == expected

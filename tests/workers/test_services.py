@@ -243,3 +243,45 @@ def test_in_process_ticker_only_without_a_broker(settings: Any, monkeypatch: pyt
 def test_aimd_record_defaults() -> None:
     record = AimdRecord(cap=4)
     assert (record.cooldown_left, record.p99_s, record.ticks) == (0, None, 0)
+
+
+@pytest.mark.django_db
+@pytest.mark.redis
+def test_aimd_tick_publishes_the_shared_budget_every_gateway_process_enforces(
+    admin: Any, settings: Any, redis_url: str
+) -> None:
+    import uuid
+
+    from apps.gateway.redis_state import RedisStateStore
+    from apps.policy import ttft_histogram_bounds
+    from workers.dynamics import RedisControlState
+
+    settings.REDIS_URL = redis_url
+    settings.GATEWAY_STATE_BACKEND = "redis"
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    make_pool(admin, name=name, replicas=[{"url": "http://127.0.0.1:9"}])  # 16 slots
+    state = RedisControlState(url=redis_url, bounds=ttft_histogram_bounds(2.0))
+    state.PREFIX = f"tokenpools:test:{uuid.uuid4().hex}:"
+    services.reset_control_state(state)
+    try:
+        # Two gateway processes flush their counts (over their own, identical, buckets) into one window.
+        for _ in range(2):
+            counts = [0] * (len(state.bounds) + 1)
+            counts[state.bucket(10.0)] = 6
+            state.ttft_add(name, counts, ttft_histogram_bounds(2.0))
+        records = services.tick_aimd()
+
+        async def published() -> int | None:
+            store = RedisStateStore(url=redis_url)
+            try:
+                return await store.pool_budget(pool=name)
+            finally:
+                await store.redis.delete(f"tp:gw:pool:{name}:budget")
+                await store.close()
+
+        assert (records[name].samples, records[name].cap, records[name].last_action) == (12, 8, "decrease")
+        assert asyncio.run(published()) == 8
+    finally:
+        services.reset_control_state(None)
+        for key in state.redis.scan_iter(state.PREFIX + "*"):
+            state.redis.delete(key)
