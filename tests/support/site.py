@@ -52,10 +52,11 @@ def prepare_site(
 
 @contextlib.contextmanager
 def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: str = "serve.log",
-            cpu_core: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run `manage.py serve` for the prepared site; yield (base URL, process)."""
+            cpu_core: str | None = None, workers: int = 1) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run `manage.py serve` for the prepared site (`workers` uvicorn processes); yield (base URL, process)."""
     port = free_port()
-    cmd = [sys.executable, "manage.py", "serve", "--port", str(port), "--log-level", "warning"]
+    cmd = [sys.executable, "manage.py", "serve", "--port", str(port), "--log-level", "warning",
+           "--workers", str(workers)]
     if cpu_core is not None:
         cmd = ["taskset", "-c", cpu_core, *cmd]
     log = open(site.workdir / log_name, "w")  # noqa: SIM115  (closed in finally)
