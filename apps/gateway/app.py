@@ -606,7 +606,8 @@ class Gateway:
         limits = self._with_context_window(limits, pool.name)
         request = AdmissionRequest(ctx.request_id, input_tokens, parsed.max_tokens, _slo_ms(scope),
                                    _slo_tier(scope, limits))
-        result = await self._admit(limits, pool, request, ctx)
+        scheduler = self._scheduler(pool)
+        result = await self._admit(limits, pool, request, ctx, scheduler)
         reservation = result.reservation
         assert reservation is not None
         service_class = str(limits.service_class)
@@ -615,7 +616,6 @@ class Gateway:
         contexts = self.running.setdefault(pool.name, {})
         contexts[ctx.request_id] = ctx
         served = _Served()
-        scheduler = self._scheduler(pool)
         acquired = False
 
         async def finish() -> None:
@@ -628,14 +628,17 @@ class Gateway:
             contexts.pop(ctx.request_id, None)
             if acquired:
                 acquired = False
-                await scheduler.release_request(ctx.request_id)
+                # A reservation in a shared store gives its slot of the pool budget back in its own release.
+                await scheduler.release_request(ctx.request_id, store_releases_slot=reservation.accounted)
             await self._account(entry, pool, reservation, served, ctx)
+            scheduler.slot_freed()
 
         ctx.finish = finish
         try:
             try:
                 await scheduler.acquire(flow=limits.entitlement_id, service_class=service_class,
-                                        queue_max=entry.queue_max, request_id=ctx.request_id)
+                                        queue_max=entry.queue_max, request_id=ctx.request_id,
+                                        slot_taken=result.slot_taken)
             except GatewayError as error:
                 self._count_rejection(entry, limits, error.code)
                 raise
@@ -658,14 +661,15 @@ class Gateway:
         return adjusted
 
     async def _admit(
-        self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, ctx: _Context
+        self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, ctx: _Context,
+        scheduler: PoolScheduler,
     ) -> AdmitResult:
         assert self.store is not None
         deadline: float | None = None
         while True:
             try:
                 result = await self.store.admit(limits=limits, pool=pool, request=request,
-                                                saturation=self._saturation(pool.name))
+                                                saturation=self._saturation(pool.name), slot=scheduler.slot_request())
             except StateStoreUnavailable as exc:
                 if self.config.fail_open:
                     return self._admit_unaccounted(limits, pool, request)

@@ -39,6 +39,7 @@ from apps.gateway.state import (
     Reservation,
     ServedCounters,
     SlotGrant,
+    SlotRequest,
     StateStoreUnavailable,
     rate_view,
 )
@@ -77,6 +78,29 @@ local function level_at(key, capacity, rate, now)
 end
 """
 
+# One slot of the pool's budget: drop the slots whose lease ran out (a dead process's), then add this
+# request if fewer than the budget are held. The budget is the one the shared AIMD tick published,
+# clipped to the pool's capacity the caller knows (replicas may have gone); none published: the capacity.
+_TAKE_SLOT = """
+local function take_slot(slots, budget_key, request_id, lease_s, capacity, now)
+  redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
+  local budget = tonumber(redis.call('GET', budget_key) or capacity) or capacity
+  if budget > capacity then budget = capacity end
+  local held = redis.call('ZCARD', slots)
+  local mine = redis.call('ZSCORE', slots, request_id)
+  if mine or held < budget then
+    redis.call('ZADD', slots, now + lease_s, request_id)
+    if not mine then held = held + 1 end
+    return {1, budget, held}
+  end
+  return {0, budget, held}
+end
+"""
+
+SLOT_ACQUIRE = _REFILL + _TAKE_SLOT + """
+return take_slot(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), now_s())
+"""
+
 READ = _REFILL + """
 local ent, pool, prio, evict = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local capacity, rate = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -96,7 +120,7 @@ end
 return out
 """
 
-COMMIT = _REFILL + """
+COMMIT = _REFILL + _TAKE_SLOT + """
 local ent, pool, prio, evict, res = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 if (redis.call('HGET', ent, 'ver') or '0') ~= ARGV[1] or (redis.call('HGET', pool, 'ver') or '0') ~= ARGV[2] then
   return {0}
@@ -125,7 +149,11 @@ redis.call('HSET', res, 'cost', ARGV[3], 'kv', ARGV[4], 'ent', ent, 'pool', pool
            'cap', ARGV[8], 'rate', ARGV[9])
 redis.call('EXPIRE', res, tonumber(ARGV[10]))
 redis.call('ZADD', KEYS[6], now + tonumber(ARGV[11]), ARGV[7])
-return {1, inflight, tostring(level)}
+if ARGV[12] ~= '' then
+  local slot = take_slot(KEYS[7], KEYS[8], ARGV[7], tonumber(ARGV[13]), tonumber(ARGV[12]), now)
+  return {1, inflight, tostring(level), slot[1]}
+end
+return {1, inflight, tostring(level), 0}
 """
 
 RELEASE = _REFILL + """
@@ -135,6 +163,8 @@ local r = redis.call('HMGET', res, 'cost', 'kv', 'ent', 'pool', 'prio', 'evict',
 if r[1] == false then return 0 end
 redis.call('DEL', res)
 local cost, kv, ent, pool = tonumber(r[1]), tonumber(r[2]), r[3], r[4]
+-- The request's slot of the pool budget, if it held one (`RedisStateStore._slot_keys`).
+redis.call('ZREM', pool .. ':slots', ARGV[1])
 local used, capacity, rate = tonumber(ARGV[2]), tonumber(r[7]), tonumber(r[8])
 local now = now_s()
 if used >= 0 and capacity >= 0 and cost > used then
@@ -171,25 +201,7 @@ EXPIRED = _REFILL + """
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s(), 'LIMIT', 0, 100)
 """
 
-# One slot of the pool's budget: drop the slots whose lease ran out (a dead process's), then add this
-# request if fewer than the budget are held. The budget is the one the shared AIMD tick published,
-# clipped to the pool's capacity the caller knows (replicas may have gone); none published: the capacity.
-SLOT_ACQUIRE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local capacity = tonumber(ARGV[3])
-local budget = tonumber(redis.call('GET', KEYS[2]) or capacity) or capacity
-if budget > capacity then budget = capacity end
-local held = redis.call('ZCARD', KEYS[1])
-local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if mine or held < budget then
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-  if not mine then held = held + 1 end
-  return {1, budget, held}
-end
-return {0, budget, held}
-"""
+
 
 DRAIN = """
 local v = redis.call('HMGET', KEYS[1], 'served_tokens', 'served_requests', 'demand_tokens', 'rejected')
@@ -275,17 +287,23 @@ class RedisStateStore(GatewayStateStore):
         return usage, pool_usage, raw[5], raw[8]
 
     async def admit(
-        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0
+        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
+        slot: SlotRequest | None = None,
     ) -> AdmitResult:
         lock = self._pool_locks.get(pool.name)
         if lock is None:
             lock = self._pool_locks[pool.name] = asyncio.Lock()
         async with lock:
-            return await self._admit(limits, pool, request, saturation)
+            return await self._admit(limits, pool, request, saturation, slot)
 
     async def _admit(
-        self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float
+        self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float,
+        slot: SlotRequest | None,
     ) -> AdmitResult:
+        # The slot of the pool budget is taken in the same script as the reservation when the caller asks
+        # (its own queue is empty): the common path then costs no round trip of its own.
+        slot_keys = list(self._slot_keys(pool.name))
+        slot_args = ["", 0] if slot is None else [max(0, slot.capacity), slot.lease_s]
         pool_key, prio_key, evict_key = self._pool_keys(pool.name)
         capacity, rate = _bucket_args(limits)
         evictable = limits.traits.evictable
@@ -297,9 +315,10 @@ class RedisStateStore(GatewayStateStore):
             result = await self._call(
                 self._commit,
                 [self._ent_key(limits.entitlement_id), pool_key, prio_key, evict_key,
-                 f"{self.prefix}res:{request.request_id}", self._leases],
+                 f"{self.prefix}res:{request.request_id}", self._leases, *slot_keys],
                 [ent_version, pool_version, decision.token_cost, decision.kv_bytes, decision.priority,
-                 "1" if evictable else "0", request.request_id, capacity, rate, RESERVATION_TTL_S, LEASE_S],
+                 "1" if evictable else "0", request.request_id, capacity, rate, RESERVATION_TTL_S, LEASE_S,
+                 *slot_args],
             )
             if int(result[0]) == 1:
                 reservation = Reservation(
@@ -309,7 +328,8 @@ class RedisStateStore(GatewayStateStore):
                 )
                 level = _float(result[2])
                 tokens = math.inf if limits.bucket_capacity is None else level
-                return AdmitResult(decision, reservation, rate_view(limits, int(result[1]), tokens))
+                return AdmitResult(decision, reservation, rate_view(limits, int(result[1]), tokens),
+                                   slot_taken=int(result[3]) == 1)
             # Someone committed in between: back off a little (jittered) and decide again on fresh state.
             await asyncio.sleep(random.uniform(0, 0.0005 * (attempt + 1)))
         contended = AdmissionDecision(False, Reason.POOL_CONTENDED.value, retry_after_s=0.1, check=5)
@@ -318,6 +338,7 @@ class RedisStateStore(GatewayStateStore):
     async def release(self, *, reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> bool:
         used = max(0, prompt_tokens) + max(0, completion_tokens)
         # The bucket's capacity and rate were stored with the reservation at commit.
+        # The request's slot of the pool budget (if it held one) goes back in the same script.
         return bool(await self._call(self._release, [f"{self.prefix}res:{reservation.request_id}", self._leases],
                                      [reservation.request_id, used]))
 
@@ -405,6 +426,7 @@ class RedisStateStore(GatewayStateStore):
     shares_budget = True
 
     def _slot_keys(self, pool: str) -> tuple[str, str]:
+        # RELEASE finds the slots from the reservation's pool key (`_pool_keys`): keep the two in step.
         base = f"{self.prefix}pool:{pool}"
         return base + ":slots", base + ":budget"
 

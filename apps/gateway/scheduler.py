@@ -29,7 +29,7 @@ from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from apps.gateway.errors import GatewayError, rejected, unavailable
-from apps.gateway.state import GatewayStateStore, SlotGrant, StateStoreUnavailable
+from apps.gateway.state import GatewayStateStore, SlotGrant, SlotRequest, StateStoreUnavailable
 from apps.policy import AimdController, BudgetScheduler, FlowConfig, LatencyHistogram
 
 logger = logging.getLogger(__name__)
@@ -112,15 +112,28 @@ class PoolScheduler:
             # Entitlements appear (and change class or queue depth) after the pool's scheduler exists.
             self.scheduler.set_flow(flow, FlowConfig(weight=weight, queue_max=queue_max))
 
-    async def acquire(self, *, flow: str, service_class: str, queue_max: int, request_id: str | None = None) -> None:
+    def slot_request(self) -> SlotRequest | None:
+        """With a shared store, what to ask the admission script for when this process would dispatch the
+        request at once (nobody of it queued, local budget free): its shared slot, in the same round trip."""
+        if (self.store is None or self.scheduler.in_flight >= self.scheduler.budget or self.scheduler.queued
+                or any(not future.done() for _, future in self._gate)):
+            return None
+        return SlotRequest(self.capacity, self.slot_lease_s)
+
+    async def acquire(self, *, flow: str, service_class: str, queue_max: int, request_id: str | None = None,
+                      slot_taken: bool = False) -> None:
         """Wait for a slot of the pool budget; raises a 429 `queue_full` / `queue_timeout` GatewayError
         (a 503 `state_store_unavailable` when a shared store is away and the gateway fails closed).
-        With a shared store, `request_id` names the slot; give the same to `release_request`."""
+        With a shared store, `request_id` names the slot; give the same to `release_request`.
+        `slot_taken`: the admission already took the shared slot (`slot_request`)."""
         self._flow(flow, CLASS_DRR_WEIGHTS.get(service_class, 1), queue_max)
         now = time.monotonic()
         if self.store is not None:
             deadline = now + self.acquire_timeout_s
             await self._acquire_local(flow, now)
+            if slot_taken and request_id is not None:
+                self.held.add(request_id)
+                return
             try:
                 await self._acquire_shared(request_id or uuid.uuid4().hex, deadline)
             except BaseException:
@@ -166,15 +179,23 @@ class PoolScheduler:
         """Give back a slot of this process's budget (the local one; see `release_request`)."""
         self._wake(self.scheduler.release(time.monotonic()))
 
-    async def release_request(self, request_id: str) -> None:
+    async def release_request(self, request_id: str, *, store_releases_slot: bool = False) -> None:
         """Give back the slot `acquire(request_id=...)` took: the shared one first (so the next waiter
-        can take it), then this process's."""
+        can take it), then this process's. `store_releases_slot`: the reservation's release in the store
+        frees the shared slot in its own script (call `slot_freed` after it); only this process's is given
+        back here."""
         try:
             if request_id in self.held:
                 self.held.discard(request_id)
-                await asyncio.shield(self._drop_slot(request_id))
+                if not store_releases_slot:
+                    await asyncio.shield(self._drop_slot(request_id))
         finally:
             self.release()
+
+    def slot_freed(self) -> None:
+        """A shared slot went back (by the store's release): the first slotless waiter asks again now."""
+        if self._slot_freed is not None:
+            self._slot_freed.set()
 
     # --- the shared budget (several gateway processes) ---------------------------------------------
 

@@ -65,6 +65,16 @@ class AdmitResult:
     decision: AdmissionDecision
     reservation: Reservation | None
     view: RateView
+    # A shared store took the request's slot of the pool budget along with the reservation (`SlotRequest`).
+    slot_taken: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """Ask `admit` to take a slot of the pool's shared budget with the reservation (shared stores only)."""
+
+    capacity: int
+    lease_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +116,8 @@ def rate_view(limits: EntitlementLimits, in_flight: int, tokens_available: float
 class GatewayStateStore(ABC):
     @abstractmethod
     async def admit(
-        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0
+        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
+        slot: SlotRequest | None = None,
     ) -> AdmitResult: ...
 
     @abstractmethod
@@ -249,8 +260,10 @@ class MemoryStateStore(GatewayStateStore):
         )
 
     async def admit(
-        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0
+        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
+        slot: SlotRequest | None = None,
     ) -> AdmitResult:
+        # One process: no shared budget, so `slot` is never taken here.
         now = self._now()
         ent = self._entitlement(limits, now)
         pool_state = self._pool(pool.name)

@@ -271,3 +271,42 @@ def test_one_gateway_process_per_period_runs_the_shared_tick(
     finally:
         server.call(second.stop())
         server.stop()
+
+
+def test_a_request_costs_three_store_scripts_when_the_pool_budget_has_room(
+    gateway_factory: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READ + COMMIT (which takes the budget slot too) + RELEASE (which gives it back): the shared budget
+    adds no round trip of its own on the common path, and leaves no slot held."""
+    store = RedisStateStore(url=redis_url, prefix=f"t{uuid.uuid4().hex}:")
+    names = {id(store._read): "read", id(store._commit): "commit", id(store._release): "release",
+             id(store._slot): "slot"}
+    calls: list[str] = []
+    original = RedisStateStore._call
+
+    async def counting(self: RedisStateStore, script: Any, keys: list[str], args: list[Any]) -> Any:
+        if id(script) in names:
+            calls.append(names[id(script)])
+        return await original(self, script, keys, args)
+
+    monkeypatch.setattr(RedisStateStore, "_call", counting)
+    h = gateway_factory(store=store, entitlement={"concurrency": 2})
+    slot_released: list[str] = []
+    original_release = RedisStateStore.slot_release
+
+    async def counting_release(self: RedisStateStore, *, pool: str, request_id: str) -> None:
+        slot_released.append(request_id)
+        await original_release(self, pool=pool, request_id=request_id)
+
+    monkeypatch.setattr(RedisStateStore, "slot_release", counting_release)
+    for _ in range(3):
+        calls.clear()
+        response = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth(), timeout=10)
+        assert response.status_code == 200
+        assert calls == ["read", "commit", "release"], calls
+    assert slot_released == []
+
+    async def slots_held() -> int:
+        return int(await store.redis.zcard(store._slot_keys("tiny")[0]))
+
+    assert h.server.call(slots_held()) == 0

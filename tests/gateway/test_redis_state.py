@@ -171,3 +171,48 @@ def test_two_stores_share_one_token_bucket_exactly(redis_url: str) -> None:
     reasons = asyncio.run(scenario())
     assert reasons.count("admitted") == 3
     assert reasons.count("rate_limit_exceeded") == 7
+
+
+def test_admission_takes_the_budget_slot_in_the_same_script_and_release_gives_it_back(redis_url: str) -> None:
+    """`slot=` makes the COMMIT also take one of the pool's budget slots; RELEASE (and the reaper) free it."""
+    import apps.gateway.redis_state as redis_state
+    from apps.gateway.state import SlotRequest
+
+    name, pool_name, prefix = uuid.uuid4().hex, uuid.uuid4().hex, f"t{uuid.uuid4().hex}:"
+
+    async def scenario() -> None:
+        store = RedisStateStore(url=redis_url, prefix=prefix)
+        slots_key = store._slot_keys(pool_name)[0]
+        try:
+            ent, p = limits(name, concurrency=10), pool(pool_name)
+            await store.pool_budgets_set(budgets={pool_name: 1})
+            first = await store.admit(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
+            assert first.reservation is not None and first.slot_taken
+            assert await store.redis.zscore(slots_key, first.reservation.request_id) is not None
+            # Budget 1 is held: the next request is admitted (its reservation stands) without a slot.
+            second = await store.admit(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
+            assert second.reservation is not None and not second.slot_taken
+            assert await store.redis.zcard(slots_key) == 1
+            # Without `slot=` no slot is asked for at all.
+            third = await store.admit(limits=ent, pool=p, request=request())
+            assert third.reservation is not None and not third.slot_taken
+
+            await store.release(reservation=first.reservation, prompt_tokens=5, completion_tokens=1)
+            assert await store.redis.zcard(slots_key) == 0
+            await store.pool_budgets_set(budgets={pool_name: 5})
+            original = redis_state.LEASE_S
+            redis_state.LEASE_S = 0.0  # a process that dies holding a slot: the reaper frees both
+            try:
+                lost = await store.admit(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
+            finally:
+                redis_state.LEASE_S = original
+            assert lost.reservation is not None and lost.slot_taken
+            assert await store.leases_reap() == 1
+            assert await store.redis.zscore(slots_key, lost.reservation.request_id) is None
+            for result in (second, third):
+                assert result.reservation is not None
+                await store.release(reservation=result.reservation, prompt_tokens=5, completion_tokens=1)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
