@@ -12,8 +12,8 @@ Two kinds of measurement per target:
 - closed loop (wrk's default): every stream sends its next request as soon as the last one is answered.
   This gives the maximum sustained requests/s; its latency is mostly queueing (Little's law: at 32 streams
   and X req/s a request waits 32/X s whatever the per-request cost is).
-- paced (`--paced-rate`): 32 streams whose requests together arrive at a fixed rate (each connection waits
-  32/rate s before its next request). Below a target's capacity this gives the latency the proxy adds to
+- paced (`--paced-rate`): 32 streams whose requests together arrive as a Poisson process of a fixed rate
+  (each connection waits an exponential time of mean 32/rate s before its next request). Below a target's capacity this gives the latency the proxy adds to
   each request while 32 streams are open and the process is not saturated; the lowest default rate (50/s)
   is below LiteLLM's capacity too, so the two are compared there.
 """
@@ -188,14 +188,19 @@ def _to_ms(value: str) -> float:
 
 def run_wrk(url: str, key: str, concurrency: int, duration_s: int, workdir: Path,
             delay_ms: float | None = None) -> tuple[float, float, float, int, int]:
-    """One wrk run; with `delay_ms` every connection waits that long before each request (paced load)."""
+    """One wrk run; with `delay_ms` every connection waits a random time of that mean before each request.
+
+    The waits are exponential, so the streams' requests together arrive as a Poisson process; a fixed wait
+    would keep the connections in lockstep and send all of them at once (a burst every `delay_ms`)."""
     script = workdir / "post.lua"
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {json.dumps(json.dumps(CHAT_BODY))}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {key}"\n'
-        + ("" if delay_ms is None else f"function delay()\n  return {delay_ms:.3f}\nend\n")
+        + ("" if delay_ms is None else
+           "math.randomseed(os.time())\n"
+           f"function delay()\n  return -math.log(1 - math.random()) * {delay_ms:.3f}\nend\n")
     )
     cmd = _pinned(LOADGEN_CORE, ["wrk", "-t1", f"-c{concurrency}", f"-d{duration_s}s", "--latency", "--timeout", "10s",
                                  "-s", str(script), f"{url}/v1/chat/completions"])
