@@ -14,7 +14,9 @@ release deletes; a second release finds nothing and changes nothing.
 The pool budget is shared too (seed 002's one controller per pool): `SLOT_ACQUIRE` is the dispatch of
 every gateway process, one script that drops slots whose lease ran out, reads the budget the shared
 AIMD tick published (`pool:{name}:budget`) and adds the request to `pool:{name}:slots` (a ZSET scored by
-lease expiry) only while fewer than the budget are held. Releasing is a ZREM (idempotent).
+lease expiry) only while fewer than the budget are held. When the caller would dispatch at once, `COMMIT`
+takes that slot itself (`admit(slot=...)`), and `RELEASE` always gives the request's slot back: the common
+path costs no round trip for the budget. Releasing a slot alone is a ZREM (idempotent).
 """
 
 from __future__ import annotations
