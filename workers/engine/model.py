@@ -258,17 +258,19 @@ class LlamaModel:
             pool.keys[layer, slot_index] = k
             pool.values[layer, slot_index] = v
 
-            q_pad = q[query_index].transpose(1, 2)  # [B, H, Q, D]
             k_pad = pool.keys[layer][key_slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
             v_pad = pool.values[layer][key_slots].permute(0, 2, 1, 3)
-            if groups > 1:
-                k_pad = k_pad.repeat_interleave(groups, dim=1)
-                v_pad = v_pad.repeat_interleave(groups, dim=1)
-            scores = (q_pad @ k_pad.transpose(-1, -2)) * scale
+            # Grouped-query attention without copying K and V once per query head: head h reads KV head
+            # h // groups, so the `groups` query heads of a KV head stack as extra query rows of it.
+            kv_heads = cfg.num_key_value_heads
+            q_grouped = q[query_index].transpose(1, 2).reshape(batch, kv_heads, groups * max_queries, cfg.head_dim)
+            scores = (q_grouped @ k_pad.transpose(-1, -2)).view(batch, -1, max_queries, max_keys) * scale
             scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1)
+            probs = torch.softmax(scores.float(), dim=-1)  # [B, H, Q, L]
             attention_sum += (probs * query_valid_dev[:, None, :, None]).sum(dim=(1, 2))
-            out = (probs.to(self.dtype) @ v_pad).transpose(1, 2).reshape(batch, max_queries, -1)
+            grouped_probs = probs.to(self.dtype).view(batch, kv_heads, groups * max_queries, max_keys)
+            out = (grouped_probs @ v_pad).view(batch, -1, max_queries, cfg.head_dim)
+            out = out.transpose(1, 2).reshape(batch, max_queries, -1)
             attn_out = out[query_valid_dev]  # [T, H*D] in flat token order
             hidden = hidden + attn_out @ w[f"{prefix}.self_attn.o_proj.weight"].T
 
