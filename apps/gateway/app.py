@@ -69,6 +69,9 @@ PREEMPTED = "preempted"
 LEASE_RENEW_S = 10.0
 # With a shared store, how often this process's TTFT counts go to the pool's shared window.
 TTFT_FLUSH_S = 1.0
+# An idle upstream connection is dropped before the backend drops it: vLLM's server closes idle keep-alive
+# connections after 5 s, and a request sent on one it is closing fails with a ReadError (a 502 here).
+UPSTREAM_KEEPALIVE_S = 4.0
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
 JSON_TYPE = (b"content-type", b"application/json")
 
@@ -220,7 +223,8 @@ class Gateway:
                 # on the gateway's hot path (and noise); an explicit level in LOGGING still wins.
                 httpx_logger.setLevel(logging.WARNING)
             if self._transport is None:
-                self._transport = ShardedTransport(TRANSPORT_SHARDS, keepalive_connections=1000, keepalive_expiry=60)
+                self._transport = ShardedTransport(TRANSPORT_SHARDS, keepalive_connections=1000,
+                                                   keepalive_expiry=UPSTREAM_KEEPALIVE_S)
             timeout = httpx.Timeout(self.config.read_timeout_s, connect=self.config.connect_timeout_s)
             self._timeout_extension = timeout.as_dict()
             if self.client is None:  # a start that failed before (no database yet) already made one
@@ -796,6 +800,7 @@ class Gateway:
         path = "/v1/chat/completions" if parsed.kind == CHAT else "/v1/completions"
         replicas = self._replica_set(pool)
         tried: set[str] = set()
+        resent = False
         try:
             while True:
                 candidates = replicas.candidates(tried)
@@ -812,10 +817,25 @@ class Gateway:
                                             extensions={"timeout": self._timeout_extension})
                     response = await self._transport.handle_async_request(request)
                     response.request = request
-                except (httpx.ConnectError, httpx.ConnectTimeout):
-                    # Nothing reached the replica: safe to try another one.
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    # Nothing reached the replica: safe to try another one. Refused: it is down; a timeout
+                    # only counts (see apps.gateway.routing).
                     replicas.release(url)
-                    replicas.mark(url, False)
+                    if isinstance(exc, httpx.ConnectTimeout):
+                        replicas.timed_out(url)
+                    else:
+                        replicas.mark(url, False)
+                    continue
+                except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+                    replicas.release(url)
+                    if resent:
+                        raise GatewayError(502, "upstream_error", "The backend closed the connection twice.",
+                                           error_type="server_error") from None
+                    # The connection broke before any byte of an answer: most often a pooled keep-alive
+                    # connection the backend was closing as we sent. Sent once more on a fresh one; had the
+                    # backend started on it, it saw its client go and aborted it.
+                    resent = True
+                    tried.discard(url)
                     continue
                 except httpx.HTTPError as exc:
                     replicas.release(url)

@@ -1,7 +1,13 @@
 """Replica choice: least outstanding requests among the healthy enabled replicas of a pool.
 
-Health is learnt two ways: a connect failure marks a replica down at once (passive), and the
-health task probes `/health` of every replica (active), which is also how a replica comes back.
+Health is learnt two ways: a connect failure marks a replica down (passive), and the health task
+probes `/health` of every replica (active), which is also how a replica comes back.
+
+A definite answer counts at once: a refused connection (nothing listens) or a `/health` that answers
+5xx marks the replica down, a 2xx-4xx answer marks it up. Silence does not: a probe or a connection that
+times out only counts, and `UNHEALTHY_AFTER_TIMEOUTS` of them in a row mark the replica down. A busy
+backend on a loaded CPU answers late now and then (vLLM's front end has been seen unscheduled for
+seconds); ejecting the pool's only replica for one late answer would turn every request into a 503.
 """
 
 from __future__ import annotations
@@ -15,12 +21,16 @@ from apps.policy import InstanceSnapshot, pool_saturation
 
 logger = logging.getLogger(__name__)
 
+# Consecutive timeouts (probes or connects) after which a replica that never said no is marked down.
+UNHEALTHY_AFTER_TIMEOUTS = 3
+
 
 class ReplicaSet:
     def __init__(self, urls: tuple[str, ...] = ()) -> None:
         self.urls: tuple[str, ...] = ()
         self.outstanding: dict[str, int] = {}
         self.healthy: dict[str, bool] = {}
+        self.timeouts: dict[str, int] = {}
         # Last scraped vLLM metrics per replica (only replicas that expose them).
         self.metrics: dict[str, InstanceSnapshot] = {}
         self.update(urls)
@@ -31,6 +41,7 @@ class ReplicaSet:
         self.urls = urls
         self.outstanding = {url: self.outstanding.get(url, 0) for url in urls}
         self.healthy = {url: self.healthy.get(url, True) for url in urls}
+        self.timeouts = {url: self.timeouts.get(url, 0) for url in urls}
         self.metrics = {url: m for url, m in self.metrics.items() if url in urls}
 
     def candidates(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
@@ -52,9 +63,19 @@ class ReplicaSet:
         return pool_saturation(snapshots) if snapshots else None
 
     def mark(self, url: str, healthy: bool) -> None:
+        """A definite answer: the replica is up or down from now on."""
+        self.timeouts[url] = 0
         if url in self.healthy and self.healthy[url] != healthy:
             logger.warning("replica %s is now %s", url, "healthy" if healthy else "unhealthy")
         self.healthy[url] = healthy
+
+    def timed_out(self, url: str) -> None:
+        """No answer in time: down only after `UNHEALTHY_AFTER_TIMEOUTS` in a row."""
+        count = self.timeouts.get(url, 0) + 1
+        if count >= UNHEALTHY_AFTER_TIMEOUTS:
+            self.mark(url, False)
+        else:
+            self.timeouts[url] = count
 
 
 async def probe_replicas(client: httpx.AsyncClient, replica_sets: list[ReplicaSet], timeout_s: float = 1.0) -> None:
@@ -64,6 +85,9 @@ async def probe_replicas(client: httpx.AsyncClient, replica_sets: list[ReplicaSe
         try:
             response = await client.get(url + "/health", timeout=timeout_s)
             replicas.mark(url, response.status_code < 500)
+        except httpx.TimeoutException:
+            replicas.timed_out(url)
+            return
         except httpx.HTTPError:
             replicas.mark(url, False)
             replicas.metrics.pop(url, None)

@@ -157,43 +157,55 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
     """A 1-slot guaranteed entitlement: the second request gets 429 + retry-after-ms and the SDK waits that long."""
     url, prepared = site
     key = prepared.keys["single-slot"]
-    sent: list[float] = []
-    answered: list[tuple[float, int, str]] = []
 
-    def on_request(_request: httpx.Request) -> None:
-        sent.append(time.monotonic())
+    def attempt() -> tuple[list[str], list[float], list[tuple[float, int, str]]]:
+        sent: list[float] = []
+        answered: list[tuple[float, int, str]] = []
 
-    def on_response(response: httpx.Response) -> None:
-        answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
+        def on_request(_request: httpx.Request) -> None:
+            sent.append(time.monotonic())
 
-    holder_outcome: list[str] = []
-    hooks = {"request": [on_request], "response": [on_response]}
-    # Enough retries for the slower backend (our engine on CPU) to finish the holder.
-    retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
+        def on_response(response: httpx.Response) -> None:
+            answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
-    def hold_the_slot() -> None:
-        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hold"}], "max_tokens": 1800,
-                "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
-                          headers={"Authorization": f"Bearer {key}"}) as response:
-            holder_outcome.append(str(response.status_code))
-            response.read()
+        holder_outcome: list[str] = []
+        hooks = {"request": [on_request], "response": [on_response]}
+        # Enough retries for the slower backend (our engine on CPU) to finish the holder.
+        retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
 
-    holder = threading.Thread(target=hold_the_slot)
-    holder.start()
-    # The signal that the slot is taken is the gateway's own count of the entitlement's admitted requests,
-    # not the holder's response headers: on a loaded 2-core machine a process (vLLM's front end, the gateway)
-    # can go unscheduled for seconds, so the headers may reach the client only with the whole stream, after
-    # the gateway has released the slot. The count is 1 from admission until the backend's last chunk.
-    assert _wait_for_entitlement_in_flight(url, "single-slot", 1, timeout_s=60), "the holder was never admitted"
-    result = retrying.chat.completions.create(model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
-                                              max_tokens=4)
-    holder.join(timeout=120)
-    assert holder_outcome == ["200"], holder_outcome
-    assert result.choices[0].message.content is not None
+        def hold_the_slot() -> None:
+            body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hold"}],
+                    "max_tokens": 1800, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {key}"}) as response:
+                holder_outcome.append(str(response.status_code))
+                response.read()
+
+        holder = threading.Thread(target=hold_the_slot)
+        holder.start()
+        # The signal that the slot is taken is the gateway's own count of the entitlement's admitted requests,
+        # not the holder's response headers: on a loaded 2-core machine a process (vLLM's front end, the
+        # gateway) can go unscheduled for seconds, so the headers may reach the client only with the whole
+        # stream, after the gateway has released the slot. The count is 1 from admission to the last chunk.
+        assert _wait_for_entitlement_in_flight(url, "single-slot", 1, timeout_s=60), "the holder was never admitted"
+        result = retrying.chat.completions.create(model=SERVED_MODEL_NAME,
+                                                  messages=[{"role": "user", "content": "x"}], max_tokens=4)
+        holder.join(timeout=120)
+        assert result.choices[0].message.content is not None
+        assert len(sent) == len(answered)
+        return holder_outcome, sent, answered
+
+    # The test process itself can go unscheduled for seconds on this machine (see above), long enough for
+    # the holder to finish between reading the count and sending the second request; that attempt shows
+    # nothing about Retry-After and is made again. The 1-slot limit itself is asserted deterministically by
+    # the gateway tests (tests/gateway).
+    for _ in range(3):
+        holder_outcome, sent, answered = attempt()
+        assert holder_outcome == ["200"], holder_outcome
+        if answered[0][1] == 429:
+            break
     statuses = [status for _t, status, _h in answered]
     assert statuses[0] == 429 and statuses[-1] == 200, statuses
-    assert len(sent) == len(answered)
     for index, (t_rejected, status, retry_ms) in enumerate(answered[:-1]):
         if status == 429:
             assert retry_ms and float(retry_ms) > 0

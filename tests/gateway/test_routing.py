@@ -206,3 +206,118 @@ def test_client_leaving_while_queued_releases_its_reservation(gateway_factory: A
         assert [line for line in lines if line][-1] == "data: [DONE]"
     eventually(lambda: h.usage().in_flight == 0)
     eventually(lambda: scheduler.in_flight == 0 and scheduler.queued == 0)
+
+
+def test_a_late_health_answer_counts_but_only_repeated_silence_takes_a_replica_out(upstream_factory: Any) -> None:
+    """A refused connection or a 5xx /health is a definite no; a probe that times out is not, until
+    UNHEALTHY_AFTER_TIMEOUTS of them in a row (a busy backend on a loaded CPU answers late now and then)."""
+    from apps.gateway.routing import UNHEALTHY_AFTER_TIMEOUTS, ReplicaSet, probe_replicas
+
+    slow, _ = upstream_factory(health_delay_s=1.0)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused at once
+    replicas = ReplicaSet((slow.url, dead))
+
+    async def probe_once() -> None:
+        async with httpx.AsyncClient() as client:
+            await probe_replicas(client, [replicas], timeout_s=0.2)
+
+    asyncio.run(probe_once())
+    assert replicas.healthy == {slow.url: True, dead: False}
+    for _ in range(UNHEALTHY_AFTER_TIMEOUTS - 2):
+        asyncio.run(probe_once())
+    assert replicas.healthy[slow.url], "taken out before its timeouts ran out"
+    asyncio.run(probe_once())
+    assert not replicas.healthy[slow.url]
+    assert replicas.candidates() == []
+
+    slow.health_delay_s = 0.0  # one answer in time brings it back and clears the count
+    asyncio.run(probe_once())
+    assert replicas.healthy[slow.url] and replicas.timeouts[slow.url] == 0
+    slow.health_delay_s = 1.0
+    asyncio.run(probe_once())
+    assert replicas.healthy[slow.url]
+
+    slow.health_delay_s, slow.healthy = 0.0, False  # a backend that says it is unhealthy is believed at once
+    asyncio.run(probe_once())
+    assert not replicas.healthy[slow.url]
+
+
+class _ClosingBackend:
+    """A raw HTTP/1.1 backend that closes the connection on the first `drops` completion requests without
+    a byte of answer (what a keep-alive connection being closed by the server looks like), then answers."""
+
+    ANSWER = (b'{"id": "c", "object": "chat.completion", "created": 1, "model": "tiny", "choices": [{"index": 0, '
+              b'"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}], '
+              b'"usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}')
+
+    def __init__(self, drops: int) -> None:
+        import threading
+
+        self.drops, self.completions = drops, 0
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"POST"):
+                    if self.drops > 0:
+                        self.drops -= 1
+                        writer.close()
+                        return
+                    self.completions += 1
+                    body = self.ANSWER
+                else:
+                    body = b"{}"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            self.server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def test_a_connection_closed_before_any_answer_is_sent_once_more(gateway_factory: Any) -> None:
+    """A backend closing a keep-alive connection as the gateway sends on it: the request goes once more on
+    a fresh connection (not a 502, and the replica stays in); a second such failure is a 502."""
+    backend = _ClosingBackend(drops=1)
+    try:
+        h = gateway_factory(upstreams=[], replica_urls=[backend.url], config={"tokenize": False})
+        response = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth(), timeout=10)
+        assert response.status_code == 200, response.text
+        assert backend.completions == 1
+        assert h.gateway.replicas["tiny"].healthy[backend.url] is True
+
+        backend.drops = 2
+        response = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth(), timeout=10)
+        assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_error"
+        assert h.usage().in_flight == 0
+    finally:
+        backend.stop()

@@ -30,6 +30,8 @@ class Upstream:
     first_token_delay_s: float = 0.0
     token_delay_s: float = 0.0
     healthy: bool = True
+    # How long /health takes to answer (a busy backend that answers late).
+    health_delay_s: float = 0.0
     tokenize: bool = True
     max_model_len: int = 1024
     # Generate at most this many tokens whatever max_tokens says (like an early end-of-sequence).
@@ -52,6 +54,7 @@ class Upstream:
             return
         path = scope["path"]
         if path == "/health":
+            await asyncio.sleep(self.health_delay_s)
             await self._json(send, 200 if self.healthy else 503, {})
             return
         if path == "/metrics":

@@ -206,5 +206,9 @@ def running_http_server(
     finally:
         stop_process_group(proc)
         log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log.name)
+        if os.environ.get("TOKENPOOLS_KEEP_SERVER_LOGS"):
+            # For a failure to look into afterwards (the backend's own errors are not in the test's output).
+            print(f"{name} log kept: {log.name}")
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(log.name)
