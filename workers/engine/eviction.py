@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -60,28 +61,23 @@ class PoolView:
 
 
 def sparse_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """`mask.nonzero().squeeze(1)` for a flat bool mask, much faster when few entries are set.
+    """`mask.nonzero().squeeze(1)` for a flat bool mask: the same ascending slot indices.
 
-    Scans the mask eight bytes at a time (an int64 view: bool reductions and `nonzero` are slow byte by
-    byte), then expands only the words with a set byte. Same indices, same ascending order.
+    On the CPU this goes through NumPy (a view of the same memory, no copy): its `flatnonzero` scans a
+    pool-sized mask several times faster than torch's `nonzero`, which dominated the per-step cost of
+    finding the few slots a step evicts.
     """
-    count = mask.numel()
-    whole = count - count % 8
-    if count < _SPARSE_SCAN_MIN or not mask.is_contiguous() or mask.device.type != "cpu":
+    if mask.device.type != "cpu" or not mask.is_contiguous():
         return mask.nonzero().squeeze(1)
-    words = mask[:whole].view(torch.int64).nonzero().squeeze(1)
-    if words.numel() * 8 > whole // 4:  # dense: the plain scan is cheaper than expanding every word
-        return mask.nonzero().squeeze(1)
-    slots = (words.unsqueeze(1) * 8 + _BYTE_OFFSETS).reshape(-1)
-    slots = slots[mask[slots]]
-    if whole < count:
-        tail = mask[whole:].nonzero().squeeze(1) + whole
-        slots = torch.cat([slots, tail])
-    return slots
+    return torch.from_numpy(np.flatnonzero(mask.numpy()))
 
 
-_BYTE_OFFSETS = torch.arange(8, dtype=torch.long)
-_SPARSE_SCAN_MIN = 16384  # below this many slots the plain scans cost less than the extra operations
+def same_flags(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`torch.equal` for two flat bool masks of one size, compared eight bytes at a time when possible
+    (torch compares bool tensors byte by byte, several times slower than a word-wise compare)."""
+    if a.numel() % 8 == 0 and a.is_contiguous() and b.is_contiguous():
+        return torch.equal(a.view(torch.int64), b.view(torch.int64))
+    return torch.equal(a, b)
 
 
 class ProtectedTokens:
@@ -110,11 +106,15 @@ class ProtectedTokens:
         self.sinks = sinks
         self.recent = recent
         self.mask = torch.zeros(owner.numel(), dtype=torch.bool)
-        self.window = torch.full((num_rows, max(1, recent)), -1, dtype=torch.long)
+        # A step touches only a few hundred slots, so the per-operation cost dominates; NumPy views of the
+        # same memory cost a fraction of torch's per-call overhead for such small gathers and scatters.
+        self._owner, self._position, self._live = owner.numpy(), position.numpy(), live.numpy()
+        self._mask = self.mask.numpy()
+        self.window = np.full((num_rows, max(1, recent)), -1, dtype=np.int64)
 
     def _ensure_rows(self, num_rows: int) -> None:
         if self.window.shape[0] < num_rows:
-            grown = torch.full((max(num_rows, 2 * self.window.shape[0]), self.window.shape[1]), -1)
+            grown = np.full((max(num_rows, 2 * self.window.shape[0]), self.window.shape[1]), -1, np.int64)
             grown[: self.window.shape[0]] = self.window
             self.window = grown
 
@@ -123,37 +123,42 @@ class ProtectedTokens:
         if slots.numel() == 0:
             return
         self._ensure_rows(seen_by_row.numel())
-        rows = self.owner[slots]
-        positions = self.position[slots]
-        start = seen_by_row - self.recent  # per row: the first position of its recent window
-        in_window = positions >= start[rows]
-        self.mask[slots] = (positions < self.sinks) | in_window
+        new = slots.numpy()
+        rows = self._owner[new]
+        positions = self._position[new]
+        start = seen_by_row.numpy()[rows] - self.recent  # the first position of each token's recent window
+        in_window = positions >= start
+        self._mask[new] = (positions < self.sinks) | in_window
         if self.recent == 0:
             return
         # A row's new tokens have consecutive positions, so the window entries the newest `recent` of
         # them overwrite are exactly the tokens the window moved past: those lose their protection
         # (sinks excepted). An entry whose slot was freed or reused since is left alone.
-        if not bool(in_window.all()):
-            kept = in_window.nonzero().squeeze(1)
-            slots, rows, positions = slots[kept], rows[kept], positions[kept]
+        if not in_window.all():
+            new, rows, positions, start = (
+                new[in_window],
+                rows[in_window],
+                positions[in_window],
+                start[in_window],
+            )
         column = positions % self.recent
         held = self.window[rows, column]
-        at = held.clamp(min=0)
-        held_position = self.position[at]
+        at = np.maximum(held, 0)
+        held_position = self._position[at]
         left = (
             (held >= 0)
-            & (self.owner[at] == rows)
-            & self.live[at]
-            & (held_position < start[rows])
+            & (self._owner[at] == rows)
+            & self._live[at]
+            & (held_position < start)
             & (held_position >= self.sinks)
         )
-        self.mask[at[left]] = False
-        self.window[rows, column] = slots
+        self._mask[at[left]] = False
+        self.window[rows, column] = new
 
     def forget(self, slots: torch.Tensor) -> None:
         """These slots were freed (evicted)."""
         if slots.numel():
-            self.mask[slots] = False
+            self._mask[slots.numpy()] = False
 
     def release_row(self, row: int, slots: torch.Tensor) -> None:
         """The sequence in `row` left the pool, giving back `slots`."""
@@ -167,6 +172,9 @@ class ProtectedTokens:
         return self.live & ((self.position < self.sinks) | (self.position >= owner_seen - self.recent))
 
 
+_PATCH_MIN_SLOTS = 16384  # below this many slots a masked fill costs less than the patch by index
+
+
 def lowest_scored(score: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
     """Slots of the `count` lowest scores among `candidates` (all of them if there are fewer)."""
     if count <= 0:
@@ -178,7 +186,7 @@ def lowest_scored(score: torch.Tensor, candidates: torch.Tensor, count: int) -> 
     fill = float("inf") if score.is_floating_point() else torch.iinfo(score.dtype).max
     excluded = torch.logical_not(candidates)
     if (
-        score.numel() >= _SPARSE_SCAN_MIN
+        score.numel() >= _PATCH_MIN_SLOTS
         and (score.numel() - available) * 16 <= score.numel()
         and score.device.type == "cpu"
     ):
@@ -377,42 +385,52 @@ class TokenPDPolicy(EvictionPolicy):
         self.mu = self.params.initial_price_per_token / bytes_per_token
         self.priced_out_total = 0
         self._value = torch.zeros(num_slots, dtype=torch.float32)
-        self._priced_out = torch.zeros(num_slots, dtype=torch.bool)
+        self._priced_out = np.zeros(num_slots, dtype=np.bool_)
         self._mask = torch.zeros(num_slots, dtype=torch.bool)
         # Every slot not yet observed since its token arrived is in here (duplicates allowed): the fresh
-        # tokens of a step are found among these instead of by a pass over the pool.
-        self._unobserved = torch.arange(num_slots)
+        # tokens of a step are found among these instead of by a pass over the pool. The per-step index
+        # work is on a few hundred slots, where NumPy's per-call cost is a fraction of torch's.
+        self._unobserved = np.arange(num_slots, dtype=np.int64)
+        self._ret_np, self._ret_sq_np, self._observed_np = (
+            self.ret.numpy(),
+            self.ret_sq.numpy(),
+            self.observed.numpy(),
+        )
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
-        self.ret[slots] = 0.0
-        self.ret_sq[slots] = 0.0
-        self.observed[slots] = False
-        self._unobserved = torch.cat([self._unobserved, slots])
+        new = slots.numpy()
+        self._ret_np[new] = 0.0
+        self._ret_sq_np[new] = 0.0
+        self._observed_np[new] = False
+        self._unobserved = np.concatenate([self._unobserved, new])
 
     def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
         alpha = self.params.ewma_alpha
+        ret, ret_sq, observed = self._ret_np, self._ret_sq_np, self._observed_np
         # Dense in-place updates over the whole pool (a few passes, no gathers); the rare slots that must
         # not move are patched by index afterwards: tokens of a live sequence that sat this step out keep
         # their averages, and a token's first observation seeds them (no zero prior to price it on).
-        # Both index sets are usually tiny: in a decode step every live sequence steps (`torch.equal` is a
-        # memcmp), and the fresh tokens are the step's new ones, found among the unobserved slots.
-        if torch.equal(view.live, stepped):
+        # Both index sets are usually tiny: in a decode step every live sequence steps (a word-wise
+        # compare), and the fresh tokens are the step's new ones, found among the unobserved slots.
+        if same_flags(view.live, stepped):
             sat_out = self._unobserved[:0]
         else:
-            sat_out = sparse_nonzero(torch.gt(view.live, stepped, out=self._mask))  # live & ~stepped
-        kept_ret, kept_sq = self.ret[sat_out], self.ret_sq[sat_out]
+            sat_out = sparse_nonzero(torch.gt(view.live, stepped, out=self._mask)).numpy()  # live & ~stepped
+        kept_ret, kept_sq = ret[sat_out], ret_sq[sat_out]
         self.ret.mul_(1 - alpha).add_(mass, alpha=alpha)
         self.ret_sq.mul_(1 - alpha).addcmul_(mass, mass, value=alpha)
-        if sat_out.numel():
-            self.ret[sat_out], self.ret_sq[sat_out] = kept_ret, kept_sq
+        if sat_out.size:
+            ret[sat_out], ret_sq[sat_out] = kept_ret, kept_sq
         pending = self._unobserved
-        fresh = pending[stepped[pending] & ~self.observed[pending]]  # stepped & ~observed, by index
-        if fresh.numel():
-            self.ret[fresh] = mass[fresh]
-            self.ret_sq[fresh] = mass[fresh] * mass[fresh]
-            self.observed[fresh] = True  # observed |= stepped: stepped slots were observed or are fresh
+        stepped_np, live_np, mass_np = stepped.numpy(), view.live.numpy(), mass.numpy()
+        fresh = pending[stepped_np[pending] & ~observed[pending]]  # stepped & ~observed, by index
+        if fresh.size:
+            seed = mass_np[fresh]
+            ret[fresh] = seed
+            ret_sq[fresh] = seed * seed
+            observed[fresh] = True  # observed |= stepped: stepped slots were observed or are fresh
         # Still pending: live tokens that sat this step out (a freed slot re-enters through on_insert).
-        self._unobserved = pending[~self.observed[pending] & view.live[pending]]
+        self._unobserved = pending[~observed[pending] & live_np[pending]]
         # R - lambda*sigma^2 with sigma^2 = E[m^2] - R^2, in two fused passes.
         lam = self.params.risk_aversion
         # Written into a preallocated buffer: a fresh pool-sized tensor per step costs page faults.
@@ -436,11 +454,14 @@ class TokenPDPolicy(EvictionPolicy):
         if not self.use_price:
             return torch.zeros(0, dtype=torch.long)
         price = self.price_per_token(view)
-        priced_out = torch.lt(self.value(), price, out=self._priced_out)  # g = R - lambda*sigma^2 - mu*c < 0
-        priced_out &= self.observed
-        priced_out &= view.live
-        priced_out &= torch.logical_not(view.protected, out=self._mask)
-        victims = sparse_nonzero(priced_out)
+        threshold = price.numpy() if isinstance(price, torch.Tensor) else price
+        # g = R - lambda*sigma^2 - mu*c < 0, over observed, live, unprotected slots. In NumPy: its
+        # comparisons and logical ands write a bool mask of the pool several times faster than torch's.
+        priced_out = np.less(self._value.numpy(), threshold, out=self._priced_out)
+        np.logical_and(priced_out, self._observed_np, out=priced_out)
+        np.logical_and(priced_out, view.live.numpy(), out=priced_out)
+        np.greater(priced_out, view.protected.numpy(), out=priced_out)  # and not protected
+        victims = torch.from_numpy(np.flatnonzero(priced_out))
         self.priced_out_total += int(victims.numel())
         return victims
 

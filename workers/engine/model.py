@@ -263,7 +263,9 @@ class LlamaModel:
             # Grouped-query attention without copying K and V once per query head: head h reads KV head
             # h // groups, so the `groups` query heads of a KV head stack as extra query rows of it.
             kv_heads = cfg.num_key_value_heads
-            q_grouped = q[query_index].transpose(1, 2).reshape(batch, kv_heads, groups * max_queries, cfg.head_dim)
+            q_grouped = (
+                q[query_index].transpose(1, 2).reshape(batch, kv_heads, groups * max_queries, cfg.head_dim)
+            )
             scores = (q_grouped @ k_pad.transpose(-1, -2)).view(batch, -1, max_queries, max_keys) * scale
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores.float(), dim=-1)  # [B, H, Q, L]

@@ -24,6 +24,7 @@ from workers.engine.eviction import (
     lowest_scored,
     lowest_scored_per_owner,
     make_policy,
+    same_flags,
     sparse_nonzero,
 )
 from workers.engine.runner import EngineRunner, RunnerConfig
@@ -303,10 +304,11 @@ def test_incremental_protected_mask_equals_the_one_from_scratch(seed):
 
 def test_sparse_nonzero_and_lowest_scored_match_the_plain_versions():
     generator = torch.Generator().manual_seed(0)
-    for count in (0, 5, 8, 4099, 65536, 65541):  # small pools take the plain scan; big ones 8 bytes at a time
+    for count in (0, 5, 8, 4099, 65536, 65541):
         for density in (0.0, 0.001, 0.05, 0.5, 1.0):
             mask = torch.rand(count, generator=generator) < density
             assert torch.equal(sparse_nonzero(mask), mask.nonzero().squeeze(1))
+            assert torch.equal(sparse_nonzero(mask[::2]), mask[::2].nonzero().squeeze(1))  # strided: torch's
     score = torch.rand(65536, generator=generator)
     birth = torch.randperm(65536, generator=generator)
     for excluded in (0.01, 0.5):  # few excluded slots (patched by index) and many (masked fill)
@@ -316,6 +318,16 @@ def test_sparse_nonzero_and_lowest_scored_match_the_plain_versions():
             fill = float("inf") if values.is_floating_point() else torch.iinfo(values.dtype).max
             _, expected = torch.topk(values.masked_fill(~candidates, fill), 300, largest=False, sorted=False)
             assert torch.equal(chosen, expected)
+
+
+def test_same_flags_compares_every_byte_whatever_the_size():
+    for count in (1, 7, 8, 4096, 4099):  # word-wise compare when the size is a multiple of 8, else bytes
+        base = torch.zeros(count, dtype=torch.bool)
+        assert same_flags(base, base.clone())
+        for at in {0, count // 2, count - 1}:
+            other = base.clone()
+            other[at] = True
+            assert not same_flags(base, other)
 
 
 class _DenseTokenPD(TokenPDPolicy):
