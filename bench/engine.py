@@ -540,7 +540,25 @@ def held_out_check(model_dir: str) -> str:
     )
 
 
-def bench_quality(args: argparse.Namespace) -> tuple[list, float, int]:
+REACH_WINDOWS = (8, 16, 32, 64, 128)
+
+
+def context_reach(args: argparse.Namespace, texts: list[list[int]]) -> list[tuple[int | None, float]]:
+    """Perplexity of the same texts when every token sees only the 4 sinks and its last w tokens, per w.
+
+    A per-sequence FIFO cache of 4 + w tokens gives exactly this, so the smallest w within the tolerance
+    bounds what any policy can save over FIFO on this model and text.
+    """
+    from workers.engine.quality import windowed_perplexity
+
+    windows: list[int | None] = [w for w in REACH_WINDOWS if w < args.quality_length]
+    return [
+        (window, windowed_perplexity(args.quality_model, texts, args.quality_prefix, window, sinks=4))
+        for window in [*windows, None]
+    ]
+
+
+def bench_quality(args: argparse.Namespace) -> tuple[list, float, int, list[tuple[int | None, float]]]:
     """Benchmark 1: per policy, the smallest shared budget whose perplexity stays within the tolerance."""
     from workers.engine.quality import full_cache_reference, iso_quality_budget, perplexity_of
 
@@ -556,6 +574,8 @@ def bench_quality(args: argparse.Namespace) -> tuple[list, float, int]:
         f"{reference_perplexity:.3f} ({time.perf_counter() - started:.0f} s)",
         flush=True,
     )
+    reach = context_reach(args, texts)
+    print("quality context reach: " + ", ".join(f"{w or 'all'}: {p:.3f}" for w, p in reach), flush=True)
     resolution = max(1, round(args.quality_resolution * need))
     found = []
     for policy in args.quality_policies:
@@ -580,7 +600,7 @@ def bench_quality(args: argparse.Namespace) -> tuple[list, float, int]:
             f"{time.perf_counter() - started:.0f} s: {steps})",
             flush=True,
         )
-    return found, reference_perplexity, need
+    return found, reference_perplexity, need, reach
 
 
 def iso_ratios(found: list) -> dict[str, dict[str, float | None]]:
@@ -748,6 +768,24 @@ def render(
             f"| FIFO | {verdict(ratios['fifo']['budget'], 0.5)} | {verdict(ratios['fifo']['peak_bytes'], 0.5)} |",
             f"| H2O | {verdict(ratios['h2o']['budget'], 0.8)} | {verdict(ratios['h2o']['peak_bytes'], 0.8)} |",
         ]
+        reach = ctx.get("reach") or []
+        if reach:
+            full_reach = dict(reach).get(None, reference_perplexity)
+            lines += [
+                "",
+                "How far back the model looks: the same texts when every token sees only the 4 sinks and its "
+                "last w tokens (every layer windowed; a per-sequence FIFO cache of 4 + w tokens gives exactly "
+                "this). Where a short window is already within the tolerance, keeping the most recent tokens "
+                "is all a cache needs, and no choice of tokens can use much less memory than FIFO.",
+                "",
+                "| tokens seen (sinks + last w) | perplexity | vs every token | M of 4 + w per stream |",
+                "|---|---:|---:|---:|",
+            ]
+            lines += [
+                f"| {'4 + ' + str(w) if w is not None else 'all'} | {p:.3f} | {p / full_reach - 1:+.2%} | "
+                f"{'' if w is None else format(args.quality_sequences * (4 + w), ',')} |"
+                for w, p in reach
+            ]
     if throughput:
         modes = sorted({r["mode"] for _, _, r in throughput})
         first = throughput[0][2]
@@ -1055,8 +1093,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no model in {args.quality_model}; run `make tiny-model` first")
         held_out = held_out_check(args.quality_model)
         print(f"quality held-out text: {held_out}", flush=True)
-        quality, reference_perplexity, need = bench_quality(args)
-        quality_context = {"need": need, "reference_perplexity": reference_perplexity, "held_out": held_out}
+        quality, reference_perplexity, need, reach = bench_quality(args)
+        quality_context = {
+            "need": need,
+            "reference_perplexity": reference_perplexity,
+            "held_out": held_out,
+            "reach": reach,
+        }
     throughput: list[tuple[str, int, dict]] = []
     if args.throughput:
         if not (Path(args.model) / "config.json").exists():

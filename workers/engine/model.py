@@ -337,12 +337,16 @@ class LlamaModel:
         hidden_mask: torch.Tensor | None = None,
         hide_from_query: int = 0,
         positions: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: int = 0,
     ) -> torch.Tensor:
         """Full causal forward without the pool; returns the logits of every token, [len, vocab].
 
         `hidden_mask[j]` True hides key j from the queries at index >= `hide_from_query`: the tokens that
         arrived before an eviction saw the evicted keys, the ones after do not, which is what evicting
-        from a cache does. `positions` overrides the RoPE positions (default 0..len-1).
+        from a cache does. `positions` overrides the RoPE positions (default 0..len-1). `window` lets
+        each query see only its last `window` tokens (itself included) and the first `sinks`: a cache
+        that keeps the sinks and a sliding window, the best a first-in-first-out cache of that size does.
         """
         cfg = self.config
         w = self.weights
@@ -351,6 +355,9 @@ class LlamaModel:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         hidden = w["model.embed_tokens.weight"][ids]
         causal = torch.ones(count, count, dtype=torch.bool).tril()
+        if window is not None:
+            index = torch.arange(count)
+            causal &= (index[:, None] - index[None, :] < window) | (index[None, :] < sinks)
         if hidden_mask is not None:
             hidden_keys = hidden_mask.bool()[None, :] & (torch.arange(count)[:, None] >= hide_from_query)
             causal = causal & ~(hidden_keys & ~torch.eye(count, dtype=torch.bool))

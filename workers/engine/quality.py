@@ -202,6 +202,24 @@ def iso_quality_budget(
     )
 
 
+def windowed_perplexity(
+    model_dir: str, texts: list[list[int]], prefix: int, window: int | None, sinks: int = 4
+) -> float:
+    """Perplexity (positions >= `prefix`) when every token sees only the first `sinks` tokens and its last
+    `window` ones (None: everything): how far back the model looks. A sequence's FIFO cache of
+    `sinks + window` tokens gives exactly this, so it tells what any policy can save over FIFO: nothing,
+    where a short window is already within the tolerance.
+    """
+    from workers.engine.model import LlamaModel
+
+    model = LlamaModel(model_dir, num_slots=1)
+    rows = []
+    for text in texts:
+        logits = model.reference_logits(text, window=window, sinks=sinks)
+        rows.append(torch.log_softmax(logits[prefix - 1 : len(text) - 1].float(), dim=-1))
+    return perplexity_of(texts, rows, prefix)
+
+
 def perplexity_of(texts: list[list[int]], logprobs: list[torch.Tensor], prefix: int) -> float:
     """Perplexity of the true next tokens under per-sequence log-probabilities (rows from `prefix`)."""
     nll, count = 0.0, 0

@@ -80,3 +80,24 @@ def test_rope_positions_survive_eviction(tiny_model_dir):
     shifted[len(prompt) :] -= len(evicted)
     wrong_positions = model.reference_logits(tokens, hidden, len(prompt), positions=shifted)
     assert (wrong_positions[-1] - logits[-1]).abs().max() > 1e-3
+
+
+def test_a_reference_window_hides_exactly_the_keys_outside_it_but_the_sinks(tiny_model_dir):
+    model = LlamaModel(tiny_model_dir, num_slots=8, device="cpu")
+    tokens = random_prompt(3, 30, model.config.vocab_size)
+    window, sinks = 4, 2
+    base = model.reference_logits(tokens, window=window, sinks=sinks)[-1]
+
+    def changed(at: int) -> list[int]:
+        other = list(tokens)
+        other[at] = 3 if tokens[at] != 3 else 4
+        return other
+
+    # Token 10 is outside the last token's window (positions 26..29) and not a sink. Every layer is
+    # windowed, so each layer lets information travel at most 3 positions further: it would take 7 layers
+    # for token 10 to reach the last token through the windows of the tokens between.
+    assert model.config.num_hidden_layers < 7
+    torch.testing.assert_close(model.reference_logits(changed(10), window=window, sinks=sinks)[-1], base)
+    assert (model.reference_logits(changed(10))[-1] - model.reference_logits(tokens)[-1]).abs().max() > 1e-4
+    for seen in (1, 25):  # a sink, and a token inside the window
+        assert (model.reference_logits(changed(seen), window=window, sinks=sinks)[-1] - base).abs().max() > 1e-4

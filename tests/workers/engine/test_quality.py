@@ -9,7 +9,9 @@ from workers.engine.quality import (
     iso_quality_budget,
     measure_quality,
     perplexity_of,
+    score_policy,
     smallest_passing,
+    windowed_perplexity,
 )
 
 
@@ -30,6 +32,25 @@ def test_quality_is_exact_with_room_and_degrades_under_a_tight_budget(tiny_model
         squeezed = by_key[(policy, tight)]
         assert squeezed.peak_used_tokens <= tight
         assert squeezed.mean_kl_from_full > 1e-4  # evicting 60% of the context changes the predictions
+
+
+def test_windowed_perplexity_is_the_full_cache_and_the_fifo_cache_of_that_size(tiny_model_dir):
+    rng = random.Random(1)
+    texts = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(4)]
+    sinks, window = 4, 12
+    # One token a step from the start, so arrival order interleaves the sequences position by position
+    # and the global FIFO cut-off takes each sequence's oldest unprotected token in turn.
+    prefix = 1
+    reference = full_cache_reference(str(tiny_model_dir), texts, prefix)
+    full = perplexity_of(texts, reference, prefix)
+    assert windowed_perplexity(str(tiny_model_dir), texts, prefix, None, sinks) == pytest.approx(full, rel=1e-5)
+    # Then one FIFO budget of (sinks + window) tokens per sequence keeps exactly the sinks and the last
+    # `window` tokens of each, the keys the windowed forward lets every token see.
+    fifo = score_policy(str(tiny_model_dir), "fifo", len(texts) * (sinks + window), texts, prefix, reference)
+    windowed = windowed_perplexity(str(tiny_model_dir), texts, prefix, window, sinks)
+    assert fifo.preemptions == 0
+    assert windowed == pytest.approx(fifo.perplexity, rel=1e-5)
+    assert abs(windowed - full) > 1e-3 * full  # the window does hide something
 
 
 @pytest.mark.parametrize("threshold", [1, 2, 37, 500, 999, 1000])
