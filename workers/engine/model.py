@@ -61,14 +61,22 @@ class LlamaConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """The seed's cost c: keys and values of one token in every layer (float32 here)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+        """The seed's cost c: keys and values of one token in every layer, float32 (the default)."""
+        return self.kv_bytes_per_token_in(torch.float32)
+
+    def kv_bytes_per_token_in(self, dtype: torch.dtype) -> int:
+        """Keys and values of one token in every layer when the cache holds `dtype`."""
+        element = torch.empty(0, dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element
 
 
 def pick_device(requested: str | None = None) -> torch.device:
     if requested:
         return torch.device(requested)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class KVPool:
@@ -145,6 +153,62 @@ class ForwardOutput:
     new_slots: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _AttentionGroup:
+    """Sequences of one step whose attention is computed together, padded to their longest query run
+    and key list; `token_index` places each real query row back in the step's flat token order."""
+
+    rows: torch.Tensor  # the sequences' indices in the batch (CPU)
+    rows_dev: torch.Tensor
+    max_queries: int
+    max_keys: int
+    query_index: torch.Tensor  # [G, Q] flat token index of each query row (0 for padding)
+    query_valid: torch.Tensor  # [G, Q]
+    key_slots: torch.Tensor  # [G, L] pool slot of each key (0 for padding)
+    allowed: torch.Tensor  # [G, 1, Q, L]
+    token_index: torch.Tensor  # [real queries] flat token index, in `query_valid` order
+
+    @classmethod
+    def of(
+        cls,
+        rows: list[int],
+        counts: list[int],
+        cached: list[int],
+        offsets: torch.Tensor,
+        key_slots: torch.Tensor,
+        key_lengths: torch.Tensor,
+        device: torch.device,
+    ) -> _AttentionGroup:
+        index = torch.tensor(rows, dtype=torch.long)
+        group_counts = torch.tensor([counts[b] for b in rows], dtype=torch.long)
+        max_queries = max(counts[b] for b in rows)
+        lengths = key_lengths[index]
+        max_keys = int(lengths.max())
+        query_range = torch.arange(max_queries)
+        key_range = torch.arange(max_keys)
+        query_valid = query_range[None, :] < group_counts[:, None]  # [G, Q]
+        query_index = torch.where(query_valid, offsets[index][:, None] + query_range[None, :], 0)
+        group_cached = torch.tensor([cached[b] for b in rows], dtype=torch.long)
+        # Query i of sequence b sits at list index cached_b + i: it sees every key up to itself.
+        allowed = (key_range[None, None, :] <= (group_cached[:, None, None] + query_range[None, :, None])) & (
+            key_range[None, None, :] < lengths[:, None, None]
+        )
+        allowed &= query_valid[:, :, None]
+        # Padded query rows attend to key 0 so softmax stays finite; their outputs are thrown away.
+        allowed[:, :, 0] |= ~query_valid
+        return cls(
+            rows=index,
+            rows_dev=index.to(device),
+            max_queries=max_queries,
+            max_keys=max_keys,
+            query_index=query_index.to(device),
+            query_valid=query_valid.to(device),
+            key_slots=key_slots[index, :max_keys].to(device),
+            allowed=allowed[:, None, :, :].to(device),
+            token_index=query_index[query_valid].to(device),
+        )
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -217,29 +281,25 @@ class LlamaModel:
         slot_index = torch.cat(flat_slots).to(device)
         tokens = torch.tensor([t for chunk in new_tokens for t in chunk], dtype=torch.long, device=device)
 
-        max_queries = max(counts)
         max_keys = max(seq.cached for seq in sequences)
         offsets = torch.tensor([0, *counts[:-1]], dtype=torch.long).cumsum(0)
-        query_range = torch.arange(max_queries)
         counts_t = torch.tensor(counts, dtype=torch.long)
-        query_valid = query_range[None, :] < counts_t[:, None]  # [B, Q]
-        query_index = torch.where(query_valid, offsets[:, None] + query_range[None, :], 0).to(device)
+        key_range = torch.arange(max_keys)
         key_slots = torch.zeros(batch, max_keys, dtype=torch.long)
         key_lengths = torch.tensor([seq.cached for seq in sequences], dtype=torch.long)
         for b, seq in enumerate(sequences):
             key_slots[b, : seq.cached] = seq.slots
-        key_slots = key_slots.to(device)
-        key_range = torch.arange(max_keys)
-        cached_t = torch.tensor(cached, dtype=torch.long)
-        # Query i of sequence b sits at list index cached_b + i: it sees every key up to itself.
-        allowed = (key_range[None, None, :] <= (cached_t[:, None, None] + query_range[None, :, None])) & (
-            key_range[None, None, :] < key_lengths[:, None, None]
-        )
-        allowed &= query_valid[:, :, None]
-        # Padded query rows attend to key 0 so softmax stays finite; their outputs are thrown away.
-        allowed[:, :, 0] |= ~query_valid
-        allowed = allowed[:, None, :, :].to(device)  # [B, 1, Q, L]
-        query_valid_dev = query_valid.to(device)
+        # Attention runs padded to the longest query run and key list of a group. Decoding sequences (one
+        # new token) and prefilling ones go in separate groups: padded together, a 60-token prompt chunk
+        # would make every decode row of the step pay for 60 query rows.
+        shapes = [
+            _AttentionGroup.of(rows, counts, cached, offsets, key_slots, key_lengths, device)
+            for rows in (
+                [b for b, count in enumerate(counts) if count == 1],
+                [b for b, count in enumerate(counts) if count > 1],
+            )
+            if rows
+        ]
 
         cos, sin = self._rope(positions)
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -247,6 +307,7 @@ class LlamaModel:
         attention_sum = torch.zeros(batch, max_keys, device=device, dtype=torch.float32)
         hidden = self.weights["model.embed_tokens.weight"][tokens]
         w = self.weights
+        kv_heads = cfg.num_key_value_heads
         for layer in range(cfg.num_hidden_layers):
             prefix = f"model.layers.{layer}"
             h = self._rms_norm(hidden, w[f"{prefix}.input_layernorm.weight"])
@@ -258,22 +319,30 @@ class LlamaModel:
             pool.keys[layer, slot_index] = k
             pool.values[layer, slot_index] = v
 
-            k_pad = pool.keys[layer][key_slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
-            v_pad = pool.values[layer][key_slots].permute(0, 2, 1, 3)
-            # Grouped-query attention without copying K and V once per query head: head h reads KV head
-            # h // groups, so the `groups` query heads of a KV head stack as extra query rows of it.
-            kv_heads = cfg.num_key_value_heads
-            q_grouped = (
-                q[query_index].transpose(1, 2).reshape(batch, kv_heads, groups * max_queries, cfg.head_dim)
+            attn_out = torch.empty(
+                hidden.shape[0], cfg.num_attention_heads * cfg.head_dim, device=device, dtype=hidden.dtype
             )
-            scores = (q_grouped @ k_pad.transpose(-1, -2)).view(batch, -1, max_queries, max_keys) * scale
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1)  # [B, H, Q, L]
-            attention_sum += (probs * query_valid_dev[:, None, :, None]).sum(dim=(1, 2))
-            grouped_probs = probs.to(self.dtype).view(batch, kv_heads, groups * max_queries, max_keys)
-            out = (grouped_probs @ v_pad).view(batch, -1, max_queries, cfg.head_dim)
-            out = out.transpose(1, 2).reshape(batch, max_queries, -1)
-            attn_out = out[query_valid_dev]  # [T, H*D] in flat token order
+            for shape in shapes:
+                rows, queries, keys = shape.rows.numel(), shape.max_queries, shape.max_keys
+                k_pad = pool.keys[layer][shape.key_slots].permute(0, 2, 1, 3)  # [B, KVH, L, D]
+                v_pad = pool.values[layer][shape.key_slots].permute(0, 2, 1, 3)
+                # Grouped-query attention without copying K and V once per query head: head h reads KV
+                # head h // groups, so the `groups` query heads of a KV head stack as extra query rows.
+                q_grouped = (
+                    q[shape.query_index]
+                    .transpose(1, 2)
+                    .reshape(rows, kv_heads, groups * queries, cfg.head_dim)
+                )
+                scores = (q_grouped @ k_pad.transpose(-1, -2)).view(rows, -1, queries, keys) * scale
+                scores = scores.masked_fill(~shape.allowed, float("-inf"))
+                probs = torch.softmax(scores.float(), dim=-1)  # [B, H, Q, L]
+                attention_sum[shape.rows_dev, :keys] += (probs * shape.query_valid[:, None, :, None]).sum(
+                    dim=(1, 2)
+                )
+                grouped_probs = probs.to(self.dtype).view(rows, kv_heads, groups * queries, keys)
+                out = (grouped_probs @ v_pad).view(rows, -1, queries, cfg.head_dim)
+                out = out.transpose(1, 2).reshape(rows, queries, -1)
+                attn_out[shape.token_index] = out[shape.query_valid]
             hidden = hidden + attn_out @ w[f"{prefix}.self_attn.o_proj.weight"].T
 
             h = self._rms_norm(hidden, w[f"{prefix}.post_attention_layernorm.weight"])

@@ -60,7 +60,7 @@ class EngineRunner:
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.policy.bind(
             config.budget_tokens,
-            self.model.config.kv_bytes_per_token,
+            self.model.config.kv_bytes_per_token_in(dtype),
             config.budget_tokens,
             config.max_batch_size,
         )

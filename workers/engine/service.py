@@ -48,6 +48,7 @@ class EngineSettings:
     prefill_chunk_tokens: int = 256
     block_size: int = 16
     device: str | None = None
+    dtype: str = "float32"  # weights, activations and the KV cache (a key of `model.DTYPES`)
     served_model_name: str | None = None
     default_tenant: TenantConfig = field(default_factory=lambda: TenantConfig("default", 16, 1_000_000, 1.0))
     sink_tokens: int = 4
@@ -78,10 +79,12 @@ class Engine:
         self.tokenizer_config = (
             json.loads(tokenizer_config_path.read_text()) if tokenizer_config_path.exists() else {}
         )
-        from workers.engine.model import LlamaConfig
+        from workers.engine.model import DTYPES, LlamaConfig
 
+        dtype = DTYPES[settings.dtype]
         model_config = LlamaConfig.from_folder(folder)
-        budget = budget_tokens_for(settings.kv_budget_mib, model_config.kv_bytes_per_token)
+        self.kv_bytes_per_token = model_config.kv_bytes_per_token_in(dtype)
+        budget = budget_tokens_for(settings.kv_budget_mib, self.kv_bytes_per_token)
         self.runner = EngineRunner(
             settings.model_dir,
             settings.policy,
@@ -92,6 +95,7 @@ class Engine:
                 recent_tokens=settings.recent_tokens,
             ),
             device=settings.device,
+            dtype=dtype,
         )
         self.model_config = self.runner.model.config
         self.scheduler = ContinuousBatchScheduler(
@@ -263,8 +267,8 @@ class Engine:
             f"vllm:kv_cache_usage_perc{{{label}}} {pool.num_used / budget:.6f}",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{block}",num_gpu_blocks="{budget // block}",'
-            f'kv_bytes_per_token="{self.model_config.kv_bytes_per_token}",kv_budget_tokens="{budget}",'
-            f'cache_dtype="float32"}} 1.0',
+            f'kv_bytes_per_token="{self.kv_bytes_per_token}",kv_budget_tokens="{budget}",'
+            f'cache_dtype="{self.settings.dtype}"}} 1.0',
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{{{label}}} {self.counters['prompt_tokens']}",
             "# TYPE vllm:generation_tokens_total counter",

