@@ -417,7 +417,7 @@ class TokenPDPolicy(EvictionPolicy):
         else:
             sat_out = sparse_nonzero(torch.gt(view.live, stepped, out=self._mask)).numpy()  # live & ~stepped
         kept_ret, kept_sq = ret[sat_out], ret_sq[sat_out]
-        self.ret.mul_(1 - alpha).add_(mass, alpha=alpha)
+        self.ret.lerp_(mass, alpha)  # (1 - alpha) * R + alpha * m in one pass
         self.ret_sq.mul_(1 - alpha).addcmul_(mass, mass, value=alpha)
         if sat_out.size:
             ret[sat_out], ret_sq[sat_out] = kept_ret, kept_sq

@@ -342,7 +342,7 @@ class _DenseTokenPD(TokenPDPolicy):
         alpha, lam = self.params.ewma_alpha, self.params.risk_aversion
         sat_out = (view.live & ~stepped).nonzero().squeeze(1)
         kept_ret, kept_sq = self.ret[sat_out], self.ret_sq[sat_out]
-        self.ret.mul_(1 - alpha).add_(mass, alpha=alpha)
+        self.ret.lerp_(mass, alpha)
         self.ret_sq.mul_(1 - alpha).addcmul_(mass, mass, value=alpha)
         self.ret[sat_out], self.ret_sq[sat_out] = kept_ret, kept_sq
         fresh = (stepped & ~self.observed).nonzero().squeeze(1)
