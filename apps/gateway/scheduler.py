@@ -296,8 +296,7 @@ class PoolScheduler:
         except StateStoreUnavailable:
             logger.warning("could not release the slot of %s: state store unreachable (its lease frees it)",
                            request_id)
-        if self._slot_freed is not None:
-            self._slot_freed.set()
+        self.slot_freed()
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

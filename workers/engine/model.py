@@ -66,8 +66,7 @@ class LlamaConfig:
 
     def kv_bytes_per_token_in(self, dtype: torch.dtype) -> int:
         """Keys and values of one token in every layer when the cache holds `dtype`."""
-        element = torch.empty(0, dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype.itemsize
 
 
 def pick_device(requested: str | None = None) -> torch.device:
@@ -158,8 +157,7 @@ class _AttentionGroup:
     """Sequences of one step whose attention is computed together, padded to their longest query run
     and key list; `token_index` places each real query row back in the step's flat token order."""
 
-    rows: torch.Tensor  # the sequences' indices in the batch (CPU)
-    rows_dev: torch.Tensor
+    rows: torch.Tensor  # the sequences' indices in the batch
     max_queries: int
     max_keys: int
     query_index: torch.Tensor  # [G, Q] flat token index of each query row (0 for padding)
@@ -197,8 +195,7 @@ class _AttentionGroup:
         # Padded query rows attend to key 0 so softmax stays finite; their outputs are thrown away.
         allowed[:, :, 0] |= ~query_valid
         return cls(
-            rows=index,
-            rows_dev=index.to(device),
+            rows=index.to(device),
             max_queries=max_queries,
             max_keys=max_keys,
             query_index=query_index.to(device),
@@ -336,7 +333,7 @@ class LlamaModel:
                 scores = (q_grouped @ k_pad.transpose(-1, -2)).view(rows, -1, queries, keys) * scale
                 scores = scores.masked_fill(~shape.allowed, float("-inf"))
                 probs = torch.softmax(scores.float(), dim=-1)  # [B, H, Q, L]
-                attention_sum[shape.rows_dev, :keys] += (probs * shape.query_valid[:, None, :, None]).sum(
+                attention_sum[shape.rows, :keys] += (probs * shape.query_valid[:, None, :, None]).sum(
                     dim=(1, 2)
                 )
                 grouped_probs = probs.to(self.dtype).view(rows, kv_heads, groups * queries, keys)

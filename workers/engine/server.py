@@ -546,6 +546,7 @@ class EngineApp:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from workers.engine.eviction import POLICIES
+    from workers.engine.model import DTYPES
 
     parser.add_argument(
         "--model", required=True, help="folder with config.json, *.safetensors, tokenizer.json"
@@ -577,7 +578,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=list(DTYPES),
         default="float32",
         help="weights, activations and KV cache (bfloat16 halves the cache and, on CPUs with "
         "AVX512-BF16, runs the matmuls about 3x faster; vLLM picks it for float32 models on CPU)",

@@ -81,6 +81,8 @@ class Engine:
         )
         from workers.engine.model import DTYPES, LlamaConfig
 
+        if settings.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {settings.dtype!r}; choose from {', '.join(DTYPES)}")
         dtype = DTYPES[settings.dtype]
         model_config = LlamaConfig.from_folder(folder)
         self.kv_bytes_per_token = model_config.kv_bytes_per_token_in(dtype)

@@ -376,3 +376,10 @@ def test_a_bfloat16_engine_holds_twice_the_tokens_in_the_same_budget_and_reports
     assert 'cache_dtype="bfloat16"' in metrics.text
     assert f'kv_bytes_per_token="{half.kv_bytes_per_token}"' in metrics.text
     assert half.kv_bytes_per_token * 2 == full.kv_bytes_per_token
+
+
+def test_an_unknown_dtype_is_refused_with_the_choices(tiny_model_dir):
+    from workers.engine.service import Engine, EngineSettings
+
+    with pytest.raises(ValueError, match="unknown dtype 'bf16'; choose from float32, bfloat16, float16"):
+        Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=1, dtype="bf16"))
