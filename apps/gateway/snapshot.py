@@ -39,6 +39,8 @@ class PoolInfo:
     # (entitlement id, concurrency, kv bytes) of Bound dedicated/guaranteed entitlements: their idle
     # reservations are withheld from other classes by the policy.
     reserved: tuple[tuple[str, int, float], ...] = ()
+    # Every entitlement of the pool, whatever its state: the admission state machine's view of the pool.
+    entitlements: tuple[EntitlementLimits, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,14 +115,23 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
     from apps.gateway.selectors import gateway_active_keys, gateway_pools
 
     pools: dict[str, PoolInfo] = {}
+    limits_by_name: dict[str, dict[str, EntitlementLimits]] = {}
     for pool in gateway_pools():
         urls = tuple(r.url.rstrip("/") for r in sorted(pool.replicas.all(), key=lambda r: (r.position, r.id))
                      if r.enabled)
         per = pool.per_replica_capacity
         # What one replica's KV cache really holds, once the workers' scrape measured it.
         kv_per_replica = getattr(pool, "measured_kv_cache_bytes_per_replica", None) or per.kv_bytes
-        bound = [e for e in pool.entitlements.all() if e.effective_state() == "Bound"]
+        every = list(pool.entitlements.all())
+        bound = [e for e in every if e.effective_state() == "Bound"]
         slos = [e.slo_target_ms for e in bound]
+        limits_by_name[pool.name] = {
+            e.name: entitlement_limits(
+                e, kv_bytes_per_token=float(pool.bytes_per_token), tenant_id=str(e.tenant_id),
+                default_max_tokens=config.default_max_tokens, context_window=config.context_window,
+            )
+            for e in every
+        }
         pools[pool.name] = PoolInfo(
             name=pool.name,
             model_name=pool.model_name,
@@ -133,6 +144,7 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
             reserved=tuple(
                 (e.name, e.concurrency, float(e.kv_cache_bytes)) for e in bound if e.service_class in _RESERVING
             ),
+            entitlements=tuple(limits_by_name[pool.name].values()),
         )
     keys: dict[str, KeyEntry] = {}
     for key in gateway_active_keys():
@@ -140,7 +152,8 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
         pool_info = pools.get(ent.pool.name)
         if pool_info is None:
             continue
-        limits = entitlement_limits(
+        # The same object as the pool's view of the entitlement: the state machine sees one set of limits.
+        limits = limits_by_name[pool_info.name].get(ent.name) or entitlement_limits(
             ent, kv_bytes_per_token=float(pool_info.kv_bytes_per_token), tenant_id=str(key.tenant_id),
             default_max_tokens=config.default_max_tokens, context_window=pool_info.context_window,
         )

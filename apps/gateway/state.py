@@ -1,33 +1,37 @@
-"""Gateway state behind one interface: in-process (embedded) or Redis (shared by every process).
+"""The gateway's state: the admission state machine of every pool it serves, behind one interface.
 
-The policy decides, the store commits. `admit` reads the entitlement's and the pool's usage,
-runs `apps.policy.admit` in Python and applies the reservation (in-flight +1, KV bytes +k, token
-bucket -cost); `release` undoes it, refunds the unused part of the token charge and adds the served
-tokens to the counters the debt/burst tick reads. Release is idempotent per request id.
+The transitions are `apps.policy.AdmissionLedger`'s (offer, wait, start, complete, cancel, expire, evict,
+tick). `MemoryStateStore` (apps.gateway.memory_state) drives one ledger per pool; `RedisStateStore`
+(apps.gateway.redis_state) applies the same transitions in Lua so that every gateway process shares one
+set of pools, and `make conformance` proves the two equal to the ledger on one table of scenarios.
 
-`MemoryStateStore` does all of that without awaiting in between, so on one asyncio loop it is
-atomic without locks. `RedisStateStore` (apps.gateway.redis_state) reads with one Lua script and
-commits with another that compares the versions it read (compare-and-set), retrying on conflict.
+What both share lives here: the types of an offer's outcome, and the waiting room of this process, where a
+request whose offer ended `waiting` waits until a transition anywhere starts it (a release, an eviction, more
+capacity), or until the acquire timeout expires it, or until its client goes away (the caller releases it,
+which cancels it).
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from apps.gateway.snapshot import PoolInfo
-from apps.policy import (
-    AdmissionDecision,
-    AdmissionRequest,
-    EntitlementLimits,
-    EntitlementUsage,
-    PoolUsage,
-    TokenBucket,
-    admit,
-)
+from apps.policy import AdmissionDecision, AdmissionRequest, EntitlementLimits, EntitlementUsage
+from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
+from apps.policy.window import WindowReading
+
+REJECTED = "rejected"
+# How long after its deadline a waiter keeps asking the store to expire it (the store's clock may run a
+# little behind this process's), before it cancels itself.
+EXPIRY_GRACE_S = 1.0
+# Start notifications that arrived before their waiter registered (another process's release raced the
+# offer's reply), kept this long.
+EARLY_NOTICE_S = 30.0
 
 
 class StateStoreUnavailable(Exception):
@@ -36,6 +40,8 @@ class StateStoreUnavailable(Exception):
 
 @dataclass(slots=True)
 class Reservation:
+    """A request the state machine holds (waiting or running): what the gateway needs to release it."""
+
     request_id: str
     entitlement: str
     pool: str
@@ -61,17 +67,23 @@ class RateView:
 
 
 @dataclass(frozen=True, slots=True)
-class AdmitResult:
+class Offer:
+    """How an offer ended: `state` is running, waiting or rejected. `started` and `evicted` are the other
+    requests the transition started (waiters) or evicted (preemptible work making room)."""
+
     decision: AdmissionDecision
     reservation: Reservation | None
     view: RateView
+    state: str
+    started: tuple[str, ...] = ()
+    evicted: tuple[str, ...] = ()
     # A shared store took the request's slot of the pool budget along with the reservation (`SlotRequest`).
     slot_taken: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class SlotRequest:
-    """Ask `admit` to take a slot of the pool's shared budget with the reservation (shared stores only)."""
+    """Ask `offer` to take a slot of the pool's shared budget with the reservation (shared stores only)."""
 
     capacity: int
     lease_s: float
@@ -86,14 +98,6 @@ class SlotGrant:
     budget: int
     # Slots held on the pool, every process together, after this call.
     held: int
-
-
-@dataclass(slots=True)
-class ServedCounters:
-    tokens: int = 0
-    requests: int = 0
-    demand_tokens: int = 0
-    rejected: int = 0
 
 
 def rate_view(limits: EntitlementLimits, in_flight: int, tokens_available: float) -> RateView:
@@ -113,57 +117,167 @@ def rate_view(limits: EntitlementLimits, in_flight: int, tokens_available: float
     )
 
 
+def reservation_for(limits: EntitlementLimits, pool: str, request: AdmissionRequest,
+                    decision: AdmissionDecision) -> Reservation:
+    return Reservation(
+        request_id=request.request_id, entitlement=limits.entitlement_id, pool=pool,
+        token_cost=decision.token_cost, kv_bytes=decision.kv_bytes, priority=decision.priority,
+        max_tokens=decision.max_tokens, input_tokens=request.input_tokens, evictable=limits.traits.evictable,
+    )
+
+
 class GatewayStateStore(ABC):
+    """The admission state machine of every pool, as the gateway drives it."""
+
+    # Seconds between checks of a waiter's state in the store, for stores whose start notifications can be
+    # lost (another process's, over pub/sub); None: every start is notified in this process.
+    poll_s: float | None = None
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, asyncio.Future[bool]] = {}
+        self._early: OrderedDict[str, tuple[float, bool]] = OrderedDict()
+        # Called with the id of every request of this process that a transition evicted (the gateway cancels it).
+        self.on_evict: Callable[[str], None] = lambda request_id: None
+
+    # --- the transitions -------------------------------------------------------------------------------
+
     @abstractmethod
-    async def admit(
+    async def sync_pool(self, *, pool: PoolInfo, saturation: float = 0.0) -> None:
+        """Capacity, reservations and saturation as the snapshot has them; more room starts waiters."""
+
+    @abstractmethod
+    async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
         slot: SlotRequest | None = None,
-    ) -> AdmitResult: ...
+    ) -> Offer:
+        """Run the ordered checks and start, queue or reject the request (with its evictions)."""
 
     @abstractmethod
-    async def release(self, *, reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> bool:
-        """Undo a reservation, refund unused tokens, count what was served; False if already released."""
+    async def release(
+        self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
+    ) -> ReleaseResult:
+        """Complete a running request (refunding what it did not use) or cancel a waiting one; the outcome
+        is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already."""
 
     @abstractmethod
-    async def record_rejection(self, *, entitlement: str, token_cost: int) -> None:
-        """Count unmet demand (a capacity rejection) for the debt tick."""
+    async def expire(self, *, pool: str) -> list[str]:
+        """Turn away the pool's requests that waited the acquire timeout; returns their ids."""
 
     @abstractmethod
-    async def entitlement_usage(self, *, limits: EntitlementLimits) -> EntitlementUsage: ...
+    async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
+        """Close every pool's served/demand window: debt and burst of each entitlement (by pool name)."""
+
+    # --- reads ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def entitlement_usage(self, *, limits: EntitlementLimits, pool: str) -> EntitlementUsage: ...
 
     @abstractmethod
     async def pool_running(self, *, pool: str) -> int: ...
 
     @abstractmethod
-    async def served_drain(self, *, entitlement: str) -> ServedCounters:
-        """Counters since the last drain (the debt/burst tick reads and resets them)."""
-
-    @abstractmethod
-    async def dynamics_set(self, *, entitlement: str, debt: float, burst: float) -> None: ...
+    async def request_state(self, *, reservation: Reservation) -> str | None:
+        """`running`, `waiting`, or None once it left the state machine."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    # Preemption across processes. The in-process store needs none of it: every request it knows
-    # runs in this process, where the gateway cancels victims directly.
-    async def leases_renew(self, *, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
-        """Keep the reservations of this process's running requests alive (shared stores only)."""
+    # --- waiting ----------------------------------------------------------------------------------------
 
-    async def leases_reap(self) -> int:
-        """Release reservations of processes that died (shared stores only); returns how many."""
+    def _expect(self, request_id: str) -> asyncio.Future[bool]:
+        """The future a waiter awaits: True once started, False once turned away (expired or cancelled)."""
+        future = self._waiters.get(request_id)
+        if future is None:
+            future = self._waiters[request_id] = asyncio.get_running_loop().create_future()
+            early = self._early.pop(request_id, None)
+            if early is not None:
+                future.set_result(early[1])
+        return future
+
+    def _notify(self, started: Sequence[str] = (), gone: Sequence[str] = (), evicted: Sequence[str] = (),
+                *, remember: bool = False) -> None:
+        """Deliver the outcome of a transition to this process's waiters and victims. `remember`: keep
+        notices for requests not (yet) waiting here (they came from another process)."""
+        for ids, result in ((started, True), (gone, False)):
+            for request_id in ids:
+                future = self._waiters.pop(request_id, None)
+                if future is not None:
+                    if not future.done():
+                        future.set_result(result)
+                elif remember:
+                    self._remember(request_id, result)
+        for request_id in evicted:
+            self.on_evict(request_id)
+
+    def _remember(self, request_id: str, result: bool) -> None:
+        now = time.monotonic()
+        early = self._early
+        early[request_id] = (now, result)
+        while early and (len(early) > 10_000 or next(iter(early.values()))[0] < now - EARLY_NOTICE_S):
+            early.popitem(last=False)
+
+    def _forget(self, request_id: str) -> None:
+        future = self._waiters.pop(request_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    async def wait(self, *, reservation: Reservation, timeout_s: float) -> bool:
+        """Wait until the waiting `reservation` starts (True) or is turned away (False): at `timeout_s` the
+        store expires whoever waited that long. A cancellation (client gone) propagates; the caller then
+        releases the reservation, which cancels it in the store."""
+        request_id = reservation.request_id
+        future = self._expect(request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not future.done():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            step = remaining if self.poll_s is None else min(remaining, self.poll_s)
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), step)
+            except TimeoutError:
+                if self.poll_s is not None:
+                    state = await self.request_state(reservation=reservation)
+                    if state != WAITING:
+                        self._waiters.pop(request_id, None)
+                        return state == RUNNING
+        if future.done():
+            return future.result()
+        return await self._expire_me(reservation, future)
+
+    async def _expire_me(self, reservation: Reservation, future: asyncio.Future[bool]) -> bool:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + EXPIRY_GRACE_S
+        while True:
+            await self.expire(pool=reservation.pool)
+            if future.done():
+                return future.result()
+            state = await self.request_state(reservation=reservation)
+            if state != WAITING:
+                self._waiters.pop(reservation.request_id, None)
+                return state == RUNNING
+            if loop.time() >= give_up:
+                self._forget(reservation.request_id)
+                await self.release(reservation=reservation)
+                return False
+            await asyncio.sleep(0.01)
+
+    # --- leases (shared stores: a process that dies leaves reservations behind) -----------------------
+
+    async def leases_renew(self, *, pool: str, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
+        """Keep the reservations of this process's requests alive."""
+
+    async def leases_reap(self, *, pool: str) -> int:
+        """Release reservations of processes that died; returns how many."""
         return 0
 
-    async def evict_candidates(self, *, pool: str, below_priority: float, limit: int) -> list[str]:
-        return []
+    async def events_listen(self) -> None:  # noqa: B027 - optional hook
+        """Deliver other processes' transitions to this process's waiters and victims (runs until cancelled)."""
 
-    async def evictions_publish(self, *, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
-        pass
+    # --- one pool budget for every gateway process (seed 002's "one controller per pool") ------------
+    # The in-process store needs none of it: its process's `PoolScheduler` is the only one dispatching.
 
-    async def evictions_listen(self, handler: Callable[[str], None]) -> None:  # noqa: B027 - optional hook
-        """Call `handler(request_id)` for each eviction any process publishes (runs until cancelled)."""
-
-    # One pool budget for every gateway process (seed 002's "one controller per pool"). The in-process
-    # store needs none of it: its process's `PoolScheduler` is the only one dispatching to the pool.
     shares_budget: bool = False
 
     async def slot_acquire(self, *, pool: str, request_id: str, capacity: int, lease_s: float) -> SlotGrant:
@@ -183,164 +297,3 @@ class GatewayStateStore(ABC):
     async def pool_budget(self, *, pool: str) -> int | None:
         """The published budget of the pool; None when none was published."""
         return None
-
-
-@dataclass(slots=True)
-class _EntitlementState:
-    in_flight: int = 0
-    kv_bytes: float = 0.0
-    bucket: TokenBucket | None = None
-    debt: float = 0.0
-    burst: float = 0.0
-    served: ServedCounters = field(default_factory=ServedCounters)
-
-
-@dataclass(slots=True)
-class _PoolState:
-    running: int = 0
-    kv_bytes: float = 0.0
-    priorities: dict[str, float] = field(default_factory=dict)
-    evictable: dict[str, float] = field(default_factory=dict)
-    evictable_kv: float = 0.0
-
-
-def _monotonic() -> float:
-    return time.monotonic()
-
-
-class MemoryStateStore(GatewayStateStore):
-    """The embedded store: plain dicts on one event loop (no await between read and commit)."""
-
-    def __init__(self, clock: object = None) -> None:
-        self._now = clock if callable(clock) else _monotonic
-        self._entitlements: dict[str, _EntitlementState] = {}
-        self._pools: dict[str, _PoolState] = {}
-        self._reservations: dict[str, Reservation] = {}
-
-    def _entitlement(self, limits: EntitlementLimits, now: float) -> _EntitlementState:
-        state = self._entitlements.get(limits.entitlement_id)
-        if state is None:
-            state = self._entitlements[limits.entitlement_id] = _EntitlementState()
-        capacity = limits.bucket_capacity
-        if capacity is None:
-            state.bucket = None
-        elif state.bucket is None:
-            state.bucket = TokenBucket(capacity, limits.tokens_per_second or 0.0, now=now)
-        elif state.bucket.capacity != capacity or state.bucket.refill_rate != limits.tokens_per_second:
-            state.bucket.set_rate(capacity, limits.tokens_per_second or 0.0, now)
-        return state
-
-    def _pool(self, name: str) -> _PoolState:
-        state = self._pools.get(name)
-        if state is None:
-            state = self._pools[name] = _PoolState()
-        return state
-
-    def _pool_usage(self, pool: PoolInfo, state: _PoolState, saturation: float) -> PoolUsage:
-        idle_slots = 0
-        idle_kv = 0.0
-        for entitlement, concurrency, kv_bytes in pool.reserved:
-            other = self._entitlements.get(entitlement)
-            running, kv = (other.in_flight, other.kv_bytes) if other is not None else (0, 0.0)
-            idle_slots += max(0, concurrency - running)
-            idle_kv += max(0.0, kv_bytes - kv)
-        return PoolUsage(
-            concurrency_capacity=pool.concurrency_capacity,
-            kv_capacity=pool.kv_capacity,
-            running=state.running,
-            kv_bytes_running=state.kv_bytes,
-            reserved_idle_concurrency=idle_slots,
-            reserved_idle_kv=idle_kv,
-            saturation=saturation,
-            admission_threshold=min(state.priorities.values(), default=-math.inf),
-            mean_slo_ms=pool.mean_slo_ms,
-            lowest_evictable_priority=min(state.evictable.values(), default=None),
-            evictable_running=len(state.evictable),
-            evictable_kv_bytes=state.evictable_kv,
-        )
-
-    async def admit(
-        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
-        slot: SlotRequest | None = None,
-    ) -> AdmitResult:
-        # One process: no shared budget, so `slot` is never taken here.
-        now = self._now()
-        ent = self._entitlement(limits, now)
-        pool_state = self._pool(pool.name)
-        tokens = ent.bucket.level(now) if ent.bucket is not None else math.inf
-        usage = EntitlementUsage(ent.in_flight, ent.kv_bytes, ent.in_flight, ent.kv_bytes, tokens, ent.debt, ent.burst)
-        decision = admit(limits, usage, self._pool_usage(pool, pool_state, saturation), request)
-        if not decision.admitted:
-            return AdmitResult(decision, None, rate_view(limits, ent.in_flight, tokens))
-        if ent.bucket is not None:
-            ent.bucket.try_consume(decision.token_cost, now)
-            tokens = ent.bucket.level(now)
-        ent.in_flight += 1
-        ent.kv_bytes += decision.kv_bytes
-        pool_state.running += 1
-        pool_state.kv_bytes += decision.kv_bytes
-        evictable = limits.traits.evictable
-        pool_state.priorities[request.request_id] = decision.priority
-        if evictable:
-            pool_state.evictable[request.request_id] = decision.priority
-            pool_state.evictable_kv += decision.kv_bytes
-        reservation = Reservation(
-            request_id=request.request_id,
-            entitlement=limits.entitlement_id,
-            pool=pool.name,
-            token_cost=decision.token_cost,
-            kv_bytes=decision.kv_bytes,
-            priority=decision.priority,
-            max_tokens=decision.max_tokens,
-            input_tokens=request.input_tokens,
-            evictable=evictable,
-        )
-        self._reservations[request.request_id] = reservation
-        return AdmitResult(decision, reservation, rate_view(limits, ent.in_flight, tokens))
-
-    async def release(self, *, reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> bool:
-        if self._reservations.pop(reservation.request_id, None) is None:
-            return False
-        now = self._now()
-        ent = self._entitlements[reservation.entitlement]
-        ent.in_flight -= 1
-        ent.kv_bytes = max(0.0, ent.kv_bytes - reservation.kv_bytes)
-        used = max(0, prompt_tokens) + max(0, completion_tokens)
-        if ent.bucket is not None and reservation.token_cost > used:
-            ent.bucket.refund(reservation.token_cost - used, now)
-        ent.served.tokens += used
-        ent.served.requests += 1
-        ent.served.demand_tokens += used
-        pool_state = self._pools[reservation.pool]
-        pool_state.running -= 1
-        pool_state.kv_bytes = max(0.0, pool_state.kv_bytes - reservation.kv_bytes)
-        pool_state.priorities.pop(reservation.request_id, None)
-        if pool_state.evictable.pop(reservation.request_id, None) is not None:
-            pool_state.evictable_kv = max(0.0, pool_state.evictable_kv - reservation.kv_bytes)
-        return True
-
-    async def record_rejection(self, *, entitlement: str, token_cost: int) -> None:
-        state = self._entitlements.setdefault(entitlement, _EntitlementState())
-        state.served.rejected += 1
-        state.served.demand_tokens += max(0, token_cost)
-
-    async def entitlement_usage(self, *, limits: EntitlementLimits) -> EntitlementUsage:
-        now = self._now()
-        ent = self._entitlement(limits, now)
-        tokens = ent.bucket.level(now) if ent.bucket is not None else math.inf
-        return EntitlementUsage(ent.in_flight, ent.kv_bytes, ent.in_flight, ent.kv_bytes, tokens, ent.debt, ent.burst)
-
-    async def pool_running(self, *, pool: str) -> int:
-        state = self._pools.get(pool)
-        return 0 if state is None else state.running
-
-    async def served_drain(self, *, entitlement: str) -> ServedCounters:
-        state = self._entitlements.get(entitlement)
-        if state is None:
-            return ServedCounters()
-        drained, state.served = state.served, ServedCounters()
-        return drained
-
-    async def dynamics_set(self, *, entitlement: str, debt: float, burst: float) -> None:
-        state = self._entitlements.setdefault(entitlement, _EntitlementState())
-        state.debt, state.burst = debt, burst

@@ -1,12 +1,23 @@
-"""`AdmissionLedger`: in-memory pool state that applies `admit` decisions, releases and refunds.
+"""`AdmissionLedger`: the one admission state machine of a pool.
 
-The simulator and the gateway's in-process store both drive this object; the Redis store keeps the
-same quantities in Redis and calls the same pure `admit`. Every request offered ends in exactly one
-outcome: rejected, or admitted (possibly after waiting) and then completed or evicted, or expired
-while waiting (`wait_timeout_s`, the blog's acquire timeout) or cancelled while waiting.
+Every request offered ends in exactly one outcome:
 
-Time is always passed in (`now`, seconds); randomness only jitters Retry-After and comes from an
-injected `random.Random` (seeded in tests and in the simulator).
+    offer ──> rejected                                  (one of the five ordered checks said no)
+      │
+      ├──> running ──> completed                         (release: unused tokens refunded, waiters start)
+      │       └──────> evicted                           (preemptible work making room; output refunded)
+      └──> waiting ──> running                           (a release, eviction or capacity change made room,
+              │                                          highest priority first, then arrival order)
+              ├──────> expired                           (waited `wait_timeout_s`, the acquire timeout)
+              └──────> cancelled                         (the client went away; the whole charge refunded)
+
+Alongside, per entitlement, the served/demand window (`apps.policy.window`) that the EWMA tick turns
+into debt (2) and burst (3).
+
+The simulator and the gateway's in-process store drive this object; the gateway's Redis store applies
+the same transitions in Lua (`apps/gateway/lua/`) and `make conformance` runs one table of scenarios
+against all three. Time is always passed in (`now`, seconds); randomness only jitters Retry-After and
+comes from an injected `random.Random`.
 """
 
 from __future__ import annotations
@@ -25,26 +36,40 @@ from apps.policy.admission import (
     AdmissionDecision,
     AdmissionRequest,
     EntitlementLimits,
+    EntitlementState,
     EntitlementUsage,
     PoolUsage,
     Reason,
     admit,
 )
 from apps.policy.bucket import TokenBucket
-from apps.policy.classes import ResourceVector
 from apps.policy.errors import PolicyConfigError, require_non_negative
-from apps.policy.priority import Dynamics, DynamicsConfig, update_dynamics
-
-RUNNING = "running"
-WAITING = "waiting"
+from apps.policy.ledger_records import RUNNING, WAITING, EntitlementRecord, RequestRecord, check_invariants
+from apps.policy.priority import Dynamics, DynamicsConfig
+from apps.policy.window import MIN_TICK_WINDOW_S, WindowReading, window_reading
 
 OUTCOME_REJECTED = "rejected"
 OUTCOME_COMPLETED = "completed"
 OUTCOME_EVICTED = "evicted"
 OUTCOME_EXPIRED = "expired"
 OUTCOME_CANCELLED = "cancelled"
-# A tick closer than this to the previous one measures nothing (rates over it would be infinite).
-MIN_TICK_WINDOW_S = 1e-6
+OUTCOME_UNKNOWN = "unknown"
+
+__all__ = [
+    "MIN_TICK_WINDOW_S",
+    "OUTCOME_CANCELLED",
+    "OUTCOME_COMPLETED",
+    "OUTCOME_EVICTED",
+    "OUTCOME_EXPIRED",
+    "OUTCOME_REJECTED",
+    "OUTCOME_UNKNOWN",
+    "RUNNING",
+    "WAITING",
+    "AdmissionLedger",
+    "LedgerCounters",
+    "LedgerResult",
+    "ReleaseResult",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,105 +89,6 @@ class ReleaseResult:
     refunded_tokens: float = 0.0
 
 
-class _Entitlement:
-    __slots__ = (
-        "limits",
-        "reserved",
-        "bucket",
-        "in_flight",
-        "kv_in_flight",
-        "running",
-        "kv_running",
-        "dynamics",
-        "idle_slots",
-        "idle_kv",
-        "last_change",
-        "slot_seconds",
-        "kv_seconds",
-        "waiting_seconds",
-        "tokens_served",
-        "completed",
-        "rejected_count",
-        "rejected_tokens",
-        "rejected_kv",
-    )
-
-    def __init__(self, limits: EntitlementLimits, now: float) -> None:
-        self.limits = limits
-        self.reserved = limits.traits.reserved
-        capacity = limits.bucket_capacity
-        self.bucket = None if capacity is None else TokenBucket(capacity, limits.tokens_per_second or 0.0, now=now)
-        self.in_flight = 0
-        self.kv_in_flight = 0.0
-        self.running = 0
-        self.kv_running = 0.0
-        self.dynamics = Dynamics()
-        self.idle_slots = 0
-        self.idle_kv = 0.0
-        self.last_change = now
-        self.reset_window()
-
-    def reset_window(self) -> None:
-        self.slot_seconds = 0.0
-        self.kv_seconds = 0.0
-        self.waiting_seconds = 0.0
-        self.tokens_served = 0.0
-        self.completed = 0
-        self.rejected_count = 0
-        self.rejected_tokens = 0.0
-        self.rejected_kv = 0.0
-
-    def count_refusal(self, tokens: float, kv: float) -> None:
-        """A request turned away for lack of capacity (rejected, or expired while waiting): the demand
-        that the next EWMA tick adds to what was served."""
-        self.rejected_count += 1
-        self.rejected_tokens += tokens
-        self.rejected_kv += kv
-
-    def accumulate(self, now: float) -> None:
-        elapsed = now - self.last_change
-        if elapsed > 0:
-            self.slot_seconds += self.running * elapsed
-            self.kv_seconds += self.kv_running * elapsed
-            self.waiting_seconds += (self.in_flight - self.running) * elapsed
-            self.last_change = now
-
-    def reserved_idle(self) -> tuple[int, float]:
-        limits = self.limits
-        if not self.reserved:
-            return 0, 0.0
-        slots = max(0, (limits.concurrency or 0) - self.running)
-        kv = max(0.0, (limits.kv_bytes or 0.0) - self.kv_running)
-        return slots, kv
-
-
-class _Request:
-    __slots__ = (
-        "request_id",
-        "entitlement",
-        "priority",
-        "cost",
-        "kv",
-        "input_tokens",
-        "max_tokens",
-        "evictable",
-        "state",
-        "enqueued_at",
-        "seq",
-    )
-    request_id: str
-    entitlement: _Entitlement
-    priority: float
-    cost: int
-    kv: float
-    input_tokens: int
-    max_tokens: int
-    evictable: bool
-    state: str
-    enqueued_at: float
-    seq: int
-
-
 @dataclass
 class LedgerCounters:
     offered: int = 0
@@ -174,6 +100,19 @@ class LedgerCounters:
     expired: int = 0
     cancelled: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def used_tokens(record: RequestRecord, output_tokens: float | None, prompt_tokens: float | None) -> float:
+    """What a finished request consumed of its charge: the prompt (as counted at admission unless the
+    backend reported it) plus the output produced, clamped to `max_tokens`. A missing or NaN output
+    count is taken as the whole `max_tokens` (nothing is refunded on a guess)."""
+    produced = record.max_tokens
+    if isinstance(output_tokens, int | float) and output_tokens == output_tokens:
+        produced = int(min(max(output_tokens, 0), record.max_tokens))
+    prompt = record.input_tokens
+    if isinstance(prompt_tokens, int | float) and prompt_tokens == prompt_tokens:
+        prompt = int(max(prompt_tokens, 0))
+    return float(prompt + produced)
 
 
 class AdmissionLedger:
@@ -206,14 +145,14 @@ class AdmissionLedger:
         self.evictable_running = 0
         self.evictable_kv = 0.0
         self.counters = LedgerCounters()
-        self._entitlements: dict[str, _Entitlement] = {}
-        self._requests: dict[str, _Request] = {}
+        self._entitlements: dict[str, EntitlementRecord] = {}
+        self._requests: dict[str, RequestRecord] = {}
         self._priority_counts: dict[float, int] = {}
         self._priority_heap: list[float] = []
         self._evictable_heap: list[tuple[float, int, str]] = []
         self._waiting_heap: list[tuple[float, int, str]] = []
         # Waiting requests in arrival order: with one timeout for all, the oldest expire first.
-        self._waiting_fifo: deque[_Request] = deque()
+        self._waiting_fifo: deque[RequestRecord] = deque()
         self._waiting_count = 0
         self._seq = 0
         self._last_tick = now
@@ -229,15 +168,15 @@ class AdmissionLedger:
         if kv_capacity != kv_capacity or kv_capacity < 0:
             raise PolicyConfigError(f"kv_capacity must be >= 0, got {kv_capacity!r}")
 
-    def upsert_entitlement(self, limits: EntitlementLimits, now: float) -> None:
+    def upsert_entitlement(self, limits: EntitlementLimits, now: float) -> tuple[str, ...]:
+        """Add or change an entitlement; returns the waiting requests that could start because of it."""
         record = self._entitlements.get(limits.entitlement_id)
         if record is None:
-            record = _Entitlement(limits, now)
+            record = EntitlementRecord(limits, now)
             self._entitlements[limits.entitlement_id] = record
         else:
             record.accumulate(now)
             record.limits = limits
-            record.reserved = limits.traits.reserved
             capacity = limits.bucket_capacity
             if capacity is None:
                 record.bucket = None
@@ -245,9 +184,11 @@ class AdmissionLedger:
                 record.bucket = TokenBucket(capacity, limits.tokens_per_second or 0.0, now=now)
             else:
                 record.bucket.set_rate(capacity, limits.tokens_per_second or 0.0, now)
+        # Only a Bound reservation is held for its owner: a Degraded or Expired one holds nothing.
+        record.reserved = limits.traits.reserved and limits.state is EntitlementState.BOUND
         self._refresh_reserved(record)
         self._refresh_mean_slo()
-        self._drain(now)
+        return self._drain(now)
 
     def remove_entitlement(self, entitlement_id: str) -> None:
         record = self._entitlements.get(entitlement_id)
@@ -277,6 +218,15 @@ class AdmissionLedger:
         self.saturation = float(saturation)
         return self._drain(now)
 
+    def set_mean_slo_ms(self, mean_slo_ms: float | None) -> None:
+        """Fix the pool's mean SLO of formula (1) (the gateway takes it from the pool's Bound
+        entitlements); None goes back to the mean over the entitlements this ledger knows."""
+        if mean_slo_ms is not None and not 0 < mean_slo_ms < math.inf:
+            raise PolicyConfigError(f"mean_slo_ms must be a positive number, got {mean_slo_ms!r}")
+        self._fixed_mean_slo_ms = mean_slo_ms
+        self._mean_slo_ms = mean_slo_ms or 1000.0
+        self._refresh_mean_slo()
+
     def limits(self, entitlement_id: str) -> EntitlementLimits | None:
         record = self._entitlements.get(entitlement_id)
         return None if record is None else record.limits
@@ -288,7 +238,7 @@ class AdmissionLedger:
         """Restore debt/burst (e.g. from a shared store or a previous run)."""
         self._entitlements[entitlement_id].dynamics = dynamics
 
-    def _refresh_reserved(self, record: _Entitlement) -> None:
+    def _refresh_reserved(self, record: EntitlementRecord) -> None:
         slots, kv = record.reserved_idle()
         self.reserved_idle_slots += slots - record.idle_slots
         self.reserved_idle_kv += kv - record.idle_kv
@@ -364,11 +314,19 @@ class AdmissionLedger:
 
     # -- the request lifecycle -----------------------------------------------------------------
 
-    def request(self, entitlement_id: str, request: AdmissionRequest, now: float) -> LedgerResult:
-        """Offer a request: run the checks, then charge, start, queue or reject it."""
+    def request(
+        self, entitlement_id: str, request: AdmissionRequest, now: float, limits: EntitlementLimits | None = None
+    ) -> LedgerResult:
+        """Offer a request: run the checks, then charge, start, queue or reject it.
+
+        `limits`, when given, are the entitlement's limits as the caller sees them now (the gateway's
+        snapshot, with the backend's context window); they replace the stored ones first."""
         counters = self.counters
         counters.offered += 1
         record = self._entitlements.get(entitlement_id)
+        if limits is not None and (record is None or (limits is not record.limits and limits != record.limits)):
+            self.upsert_entitlement(limits, now)
+            record = self._entitlements[entitlement_id]
         if record is None:
             return self._rejected(
                 None, AdmissionDecision(False, Reason.ENTITLEMENT_NOT_BOUND.value, self.config.never_retry_s,
@@ -383,19 +341,8 @@ class AdmissionLedger:
         if not decision.admitted and not decision.queued:
             return self._rejected(record, decision)
 
-        entry = _Request()
-        entry.request_id = request.request_id
-        entry.entitlement = record
-        entry.priority = decision.priority
-        entry.cost = decision.token_cost
-        entry.kv = decision.kv_bytes
-        entry.input_tokens = request.input_tokens
-        entry.max_tokens = decision.max_tokens
-        entry.evictable = record.limits.traits.evictable
-        entry.enqueued_at = now
-        entry.state = ""
         self._seq += 1
-        entry.seq = self._seq
+        entry = RequestRecord(request.request_id, record, decision, request.input_tokens, now, self._seq)
         if record.bucket is not None:
             record.bucket.try_consume(entry.cost, now)
         record.accumulate(now)
@@ -419,29 +366,27 @@ class AdmissionLedger:
         started.extend(self._drain(now))
         return LedgerResult(decision, started=tuple(started), evicted=tuple(evicted))
 
-    def release(self, request_id: str, now: float, output_tokens: int | None = None) -> ReleaseResult:
-        """Completion callback: free the slot and KV, refund the unused `max_tokens`, start waiters.
+    def release(
+        self, request_id: str, now: float, output_tokens: float | None = None, prompt_tokens: float | None = None
+    ) -> ReleaseResult:
+        """Completion callback: free the slot and KV, refund the unused charge, start waiters.
 
         Releasing a waiting request cancels it (client went away) and refunds its whole charge.
         Unknown ids are ignored (a duplicate callback must not corrupt state)."""
         entry = self._requests.get(request_id)
         if entry is None:
-            return ReleaseResult("unknown")
+            return ReleaseResult(OUTCOME_UNKNOWN)
         if entry.state == WAITING:
             refunded = self._finish_waiting(entry, now)
             self.counters.cancelled += 1
             return ReleaseResult(OUTCOME_CANCELLED, self._drain(now), refunded)
-        produced = entry.max_tokens
-        if isinstance(output_tokens, int | float) and output_tokens == output_tokens:
-            # A bogus count (negative, too large) is clamped; a missing or NaN one refunds nothing.
-            produced = int(min(max(output_tokens, 0), entry.max_tokens))
-        refund = float(entry.max_tokens - produced)
+        used = used_tokens(entry, output_tokens, prompt_tokens)
+        refund = max(0.0, entry.cost - used)
         record = entry.entitlement
         if refund and record.bucket is not None:
             record.bucket.refund(refund, now)
         self._stop(entry, now)
-        record.tokens_served += entry.input_tokens + produced
-        record.completed += 1
+        record.window.count_completion(used)
         self.counters.completed += 1
         return ReleaseResult(OUTCOME_COMPLETED, self._drain(now), refund)
 
@@ -449,7 +394,7 @@ class AdmissionLedger:
         """Reject requests that waited longer than `wait_timeout_s`; their charge is refunded."""
         timeout = self.config.wait_timeout_s
         fifo = self._waiting_fifo
-        expired: list[_Request] = []
+        expired: list[RequestRecord] = []
         while fifo:
             entry = fifo[0]
             if entry.state != WAITING or self._requests.get(entry.request_id) is not entry:
@@ -461,7 +406,7 @@ class AdmissionLedger:
             expired.append(entry)
         for entry in expired:
             self._finish_waiting(entry, now)
-            entry.entitlement.count_refusal(entry.cost, entry.kv)
+            entry.entitlement.window.count_refusal(entry.cost, entry.kv)
             self.counters.expired += 1
         return [entry.request_id for entry in expired]
 
@@ -469,18 +414,18 @@ class AdmissionLedger:
         """Terminate a running request (preemption); its unproduced output is refunded."""
         entry = self._requests.get(request_id)
         if entry is None or entry.state != RUNNING:
-            return ReleaseResult("unknown")
+            return ReleaseResult(OUTCOME_UNKNOWN)
         refund = self._evict(entry, now)
         return ReleaseResult(OUTCOME_EVICTED, self._drain(now), refund)
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _rejected(self, record: _Entitlement | None, decision: AdmissionDecision) -> LedgerResult:
+    def _rejected(self, record: EntitlementRecord | None, decision: AdmissionDecision) -> LedgerResult:
         counters = self.counters
         counters.rejected += 1
         counters.by_reason[decision.reason] = counters.by_reason.get(decision.reason, 0) + 1
         if record is not None and decision.reason in CAPACITY_REASONS:
-            record.count_refusal(decision.token_cost, decision.kv_bytes)
+            record.window.count_refusal(decision.token_cost, decision.kv_bytes)
         if self.retry_jitter and decision.retryable:
             # Spread retries so that a recovery does not meet a thundering herd (seed 000, 5.3).
             decision = decision._replace(
@@ -488,7 +433,7 @@ class AdmissionLedger:
             )
         return LedgerResult(decision)
 
-    def _start(self, entry: _Request, now: float) -> None:
+    def _start(self, entry: RequestRecord, now: float) -> None:
         record = entry.entitlement
         record.accumulate(now)
         if entry.state == WAITING:
@@ -512,7 +457,7 @@ class AdmissionLedger:
             self.evictable_kv += entry.kv
             heapq.heappush(self._evictable_heap, (priority, -entry.seq, entry.request_id))
 
-    def _stop(self, entry: _Request, now: float) -> None:
+    def _stop(self, entry: RequestRecord, now: float) -> None:
         record = entry.entitlement
         record.accumulate(now)
         record.running -= 1
@@ -553,7 +498,7 @@ class AdmissionLedger:
             ]
             heapq.heapify(self._waiting_heap)
 
-    def _finish_waiting(self, entry: _Request, now: float) -> float:
+    def _finish_waiting(self, entry: RequestRecord, now: float) -> float:
         record = entry.entitlement
         entry.state = OUTCOME_CANCELLED
         self._waiting_count -= 1
@@ -566,7 +511,7 @@ class AdmissionLedger:
         self._compact()
         return float(entry.cost)
 
-    def _evict(self, entry: _Request, now: float) -> float:
+    def _evict(self, entry: RequestRecord, now: float) -> float:
         refund = float(entry.max_tokens)
         record = entry.entitlement
         if record.bucket is not None:
@@ -575,12 +520,12 @@ class AdmissionLedger:
         self.counters.evicted += 1
         return refund
 
-    def _fits(self, entry: _Request) -> bool:
+    def _fits(self, entry: RequestRecord) -> bool:
         # Physically free and entitled: the same "free" as `admit` (the minimum of both views).
         missing_slots, missing_kv, entitled = self._room_for(entry)
         return entitled and missing_slots <= 0 and missing_kv <= 1e-9 and self.saturation < 1.0
 
-    def _room_for(self, entry: _Request) -> tuple[int, float, bool]:
+    def _room_for(self, entry: RequestRecord) -> tuple[int, float, bool]:
         """(slots lacking, KV bytes lacking, entitled): the first two count physical room (<= 0
         when it is there); `entitled` says whether the request may claim room at all once
         evictable work gives way (the same two views as `admit`)."""
@@ -595,7 +540,7 @@ class AdmissionLedger:
         )
         return missing_slots, missing_kv, entitled
 
-    def _evict_for(self, entry: _Request, now: float) -> tuple[list[str], list[str]]:
+    def _evict_for(self, entry: RequestRecord, now: float) -> tuple[list[str], list[str]]:
         """Evict lower-priority preemptible work so that `entry` can start (seed 004's in-flight
         eviction: lowest priority first, newest dispatch first among equals).
 
@@ -646,69 +591,45 @@ class AdmissionLedger:
     # -- the EWMA tick (debt and burst) --------------------------------------------------------
 
     def tick(self, now: float) -> Mapping[str, Dynamics]:
-        """Close the observation window: update debt (2) and burst (3) for every entitlement.
+        """Close the observation window: update debt (2) and burst (3) for every entitlement."""
+        readings = self.tick_readings(now)
+        if readings is None:
+            return {key: record.dynamics for key, record in self._entitlements.items()}
+        return {key: reading.dynamics for key, reading in readings.items()}
 
-        Served rates come from what actually ran (slot-seconds, KV byte-seconds, tokens of completed
-        requests); demand adds what was refused for lack of capacity or is still waiting, with a
-        refused request counted as one mean holding time of slots (Little's law)."""
+    def tick_readings(self, now: float) -> dict[str, WindowReading] | None:
+        """`tick`, with the served and demanded rates each new EWMA state was computed from
+        (`apps.policy.window.window_reading`, the same computation the Redis store's tick runs);
+        None when the window was too short to measure (it stays open)."""
         elapsed = now - self._last_tick
         if elapsed < MIN_TICK_WINDOW_S:
             # Rates over a vanishing window are infinite (a tick right after another one, a clock that
             # stood still): keep the window open and let the next tick measure it.
-            return {key: record.dynamics for key, record in self._entitlements.items()}
-        updated: dict[str, Dynamics] = {}
+            return None
+        readings: dict[str, WindowReading] = {}
         for key, record in self._entitlements.items():
             record.accumulate(now)
-            hold_s = record.slot_seconds / record.completed if record.completed else self.config.expected_service_s
-            served = ResourceVector(
-                tokens_per_second=record.tokens_served / elapsed,
-                kv_bytes=record.kv_seconds / elapsed,
-                concurrency=record.slot_seconds / elapsed,
+            reading = window_reading(
+                record.window.figures(), record.limits, record.dynamics, elapsed,
+                expected_service_s=self.config.expected_service_s, config=self.dynamics_config,
             )
-            demand = ResourceVector(
-                tokens_per_second=(record.tokens_served + record.rejected_tokens) / elapsed,
-                kv_bytes=(record.kv_seconds + record.rejected_kv * hold_s) / elapsed,
-                concurrency=(record.slot_seconds + record.waiting_seconds + record.rejected_count * hold_s) / elapsed,
-            )
-            limits = record.limits
-            baseline = ResourceVector(
-                tokens_per_second=limits.tokens_per_second or 0.0,
-                kv_bytes=limits.kv_bytes or 0.0,
-                concurrency=limits.concurrency or 0,
-            )
-            record.dynamics = update_dynamics(
-                record.dynamics, limits.service_class, baseline, demand, served, self.dynamics_config
-            )
-            record.reset_window()
-            updated[key] = record.dynamics
+            record.dynamics = reading.dynamics
+            record.window.reset()
+            readings[key] = reading
         self._last_tick = now
-        return updated
+        return readings
 
     # -- checks used by tests and the simulator ------------------------------------------------
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the books do not balance (used by property tests)."""
-        c = self.counters
-        in_flight = len(self._requests)
-        closed = c.rejected + c.completed + c.evicted + c.expired + c.cancelled
-        assert c.offered == closed + in_flight, (c, in_flight)
-        running = [r for r in self._requests.values() if r.state == RUNNING]
-        assert self.running == len(running)
-        assert self._waiting_count == sum(1 for r in self._requests.values() if r.state == WAITING)
-        assert self.evictable_running == sum(1 for r in running if r.evictable)
-        assert math.isclose(self.evictable_kv, sum(r.kv for r in running if r.evictable), abs_tol=1e-6)
-        assert math.isclose(self.kv_running, sum(r.kv for r in running), abs_tol=1e-6)
-        assert len(self._priority_heap) <= 2 * len(self._priority_counts) + 65
-        assert len(self._evictable_heap) <= 2 * self.evictable_running + 65 + len(self._requests)
-        reserved = [record.reserved_idle() for record in self._entitlements.values()]
-        assert self.reserved_idle_slots == sum(slots for slots, _ in reserved)
-        for key, record in self._entitlements.items():
-            mine = [r for r in self._requests.values() if r.entitlement is record]
-            assert record.in_flight == len(mine), key
-            assert record.running == sum(1 for r in mine if r.state == RUNNING), key
-            assert math.isclose(record.kv_in_flight, sum(r.kv for r in mine), abs_tol=1e-6), key
-            if record.bucket is not None:
-                assert -1e-9 <= record.bucket._level <= record.bucket.capacity + 1e-9, key
+        check_invariants(self)
 
     def entitlement_ids(self) -> Iterable[str]:
         return self._entitlements.keys()
+
+    def entitlement_records(self) -> Mapping[str, EntitlementRecord]:
+        return self._entitlements
+
+    def request_records(self) -> Mapping[str, RequestRecord]:
+        return self._requests

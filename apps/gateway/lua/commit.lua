@@ -1,0 +1,59 @@
+-- COMMIT: apply the decision `apps.policy.admit` took on READ's snapshot, if the pool's version is still the
+-- one read (else {0}: the caller reads again). The request is charged (bucket, in flight, KV) and either
+-- starts or waits; a waiting one may evict lower-priority preemptible work (AdmissionLedger.request).
+-- KEYS: pool prefix, budget slots, published budget.
+-- ARGV: now, version, request id, entitlement id, 'running'|'waiting', priority, token cost, KV bytes,
+--       input tokens, max tokens, evictable (1/0), evict (1/0), bucket capacity, bucket rate, pool capacity,
+--       KV capacity, saturation, wait timeout, max evictions, lease seconds, budget capacity ('' = no slot),
+--       slot lease, reservation signature, then the reservations as pairs (only read when the signature changed).
+local now = clock(ARGV[1])
+local pool = load(POOL)
+if field(pool, 'ver') ~= tonumber(ARGV[2]) then return {0} end
+local reserved = nil
+if pool.res_sig ~= tonumber(ARGV[23]) then
+  reserved = {}
+  for i = 24, #ARGV do table.insert(reserved, ARGV[i]) end
+end
+pool = pool_config(now, ARGV[15], ARGV[16], ARGV[17], ARGV[18], ARGV[19], reserved)
+pool.res_sig = tonumber(ARGV[23])
+local id = ARGV[3]
+local e = entitlement(ARGV[4], now)
+bucket_limits(e, tonumber(ARGV[13]), tonumber(ARGV[14]), now)
+pool.seq = pool.seq + 1
+local r = load(req_key(id))
+r._id, r._new = id, false
+r.ent, r.prio, r.cost, r.kv, r.input, r.max = ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7]), num(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+r.ev, r.state, r.enq, r.seq = tonumber(ARGV[11]), '', now, pool.seq
+touch(r)
+if field(e, 'bcap') >= 0 then
+  local level = bucket_level(e, now)
+  if level >= r.cost then e.level = level - r.cost end
+end
+accumulate(e, now)
+e.in_flight = e.in_flight + 1
+e.kv_in_flight = e.kv_in_flight + r.kv
+touch(e)
+redis.call('ZADD', LEASES, now + tonumber(ARGV[20]), id)
+local started, evicted = {}, {}
+if ARGV[5] == 'running' then
+  start(pool, r, now)
+  started = {id}
+else
+  r.state = 'waiting'
+  pool.waiting = pool.waiting + 1
+  r.wm = wait_member(r.seq, id)
+  redis.call('ZADD', WAIT, fmt(-r.prio), r.wm)
+  redis.call('ZADD', WAIT_T, fmt(now), r.wm)
+  if ARGV[12] == '1' then evicted, started = evict_for(pool, r, now) end
+  for _, other in ipairs(drain(pool, now)) do table.insert(started, other) end
+end
+changed(pool)
+local state = r.state
+save()
+publish('e', evicted)
+publish('s', started)
+local slot = 0
+if state == 'running' and ARGV[21] ~= '' then
+  slot = take_slot(KEYS[2], KEYS[3], id, tonumber(ARGV[22]), tonumber(ARGV[21]), now)[1]
+end
+return {1, state, started, evicted, fmt(e.in_flight), fmt(bucket_level(e, now)), slot}

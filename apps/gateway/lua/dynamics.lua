@@ -1,0 +1,3 @@
+-- DYNAMICS: the new debt and burst of the pool's entitlements after a tick.  ARGV: id, debt, burst, ...
+for i = 1, #ARGV, 3 do redis.call('HSET', ent_key(ARGV[i]), 'debt', ARGV[i + 1], 'burst', ARGV[i + 2]) end
+return 1

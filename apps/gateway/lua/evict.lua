@@ -1,0 +1,13 @@
+-- EVICT: terminate a running request (preemption), refund its output, start waiters (AdmissionLedger.evict).
+-- ARGV: now, request id.
+local now = clock(ARGV[1])
+local r = request(ARGV[2])
+if r == nil or r.state ~= 'running' then return {'unknown', {}, '0'} end
+local pool = load(POOL)
+local refund = evict_one(pool, r, now)
+local started = drain(pool, now)
+changed(pool)
+save()
+publish('e', {ARGV[2]})
+publish('s', started)
+return {'evicted', started, fmt(refund)}

@@ -1,0 +1,353 @@
+-- The admission state machine of one pool, in Redis: the transitions of apps/policy/ledger.py, step for
+-- step (Lua cannot import Python). `make conformance` runs one table of scenarios against the ledger, the
+-- in-process store and this, expecting the same outcomes. Every entry script is this library followed by
+-- its own body (apps/gateway/redis_state.py loads them).
+--
+-- KEYS[1] is the pool's key prefix, `tp:gw:{<pool>}:` (one hash tag: a pool's keys share a cluster slot).
+--   pool      hash  levels and configuration of the pool (running, kv, ev_n, ev_kv, waiting, seq, cap,
+--                   kv_cap, sat, timeout, max_ev, last_tick, ver)
+--   ent:<id>  hash  one entitlement: in_flight, kv_in_flight, running, kv_running, its token bucket
+--                   (bcap: -1 when unlimited, brate, level, ts), debt, burst, and the served/demand window
+--                   (last_change, slot_s, kv_s, wait_s, tok, done, rej_n, rej_tok, rej_kv)
+--   req:<id>  hash  one waiting or running request (ent, prio, cost, kv, input, max, ev, state, enq, seq,
+--                   wm, em)
+--   prio      zset  running requests by priority (the admission threshold is the lowest)
+--   evict     zset  running preemptible requests by priority; members sort newest dispatch first
+--   wait      zset  waiting requests by -priority; members sort by arrival
+--   wait_t    zset  waiting requests by arrival time (the acquire timeout expires the oldest first)
+--   res       hash  Bound dedicated/guaranteed entitlements of the pool: id -> "concurrency kv_bytes"
+--   leases    zset  requests by lease deadline (a process that dies stops renewing them)
+-- Numbers are stored with 17 significant digits so that every double survives the round trip.
+
+local BASE = KEYS[1]
+local POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
+local RES, LEASES = BASE .. 'res', BASE .. 'leases'
+local EVENTS = 'tp:gw:events'
+local STRINGS = {ent = true, state = true, wm = true, em = true}
+
+local function fmt(x)
+  if x == math.huge then return 'inf' end
+  if x == -math.huge then return '-inf' end
+  return string.format('%.17g', x)
+end
+
+local function num(v)
+  if v == nil or v == false or v == '' then return 0 end
+  if v == 'inf' then return math.huge end
+  if v == '-inf' then return -math.huge end
+  return tonumber(v)
+end
+
+local function clock(arg)
+  if arg ~= nil and arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- Records are read once per script into tables and written back by `save` (every field, for dirty ones).
+local cache, dirty, order = {}, {}, {}
+
+local function load(key)
+  local t = cache[key]
+  if t == nil then
+    t = {}
+    local flat = redis.call('HGETALL', key)
+    for i = 1, #flat, 2 do
+      local field, value = flat[i], flat[i + 1]
+      if STRINGS[field] then t[field] = value else t[field] = num(value) end
+    end
+    t._key, t._new = key, #flat == 0
+    cache[key] = t
+  end
+  return t
+end
+
+local function touch(t)
+  if not dirty[t._key] then
+    dirty[t._key] = true
+    table.insert(order, t._key)
+  end
+end
+
+local function drop(t)
+  dirty[t._key] = nil
+  cache[t._key] = {_key = t._key, _new = true}
+  redis.call('DEL', t._key)
+end
+
+local function save()
+  for _, key in ipairs(order) do
+    if dirty[key] then
+      local t, flat = cache[key], {}
+      for field, value in pairs(t) do
+        if string.sub(field, 1, 1) ~= '_' then
+          table.insert(flat, field)
+          if type(value) == 'number' then table.insert(flat, fmt(value)) else table.insert(flat, value) end
+        end
+      end
+      if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
+    end
+  end
+end
+
+local function ent_key(id) return BASE .. 'ent:' .. id end
+local function req_key(id) return BASE .. 'req:' .. id end
+
+local function field(t, name) return t[name] or 0 end
+
+-- A new entitlement: empty levels, a full bucket, a window opened now (EntitlementRecord.__init__).
+local function entitlement(id, now)
+  local e = load(ent_key(id))
+  if e._new then
+    e._new = false
+    e.in_flight, e.kv_in_flight, e.running, e.kv_running = 0, 0, 0, 0
+    e.debt, e.burst, e.bcap, e.brate = 0, 0, -1, 0
+    e.last_change, e.slot_s, e.kv_s, e.wait_s, e.tok, e.done, e.rej_n, e.rej_tok, e.rej_kv = now, 0, 0, 0, 0, 0, 0, 0, 0
+    touch(e)
+  end
+  return e
+end
+
+-- The token bucket (apps/policy/bucket.py): refilled in proportion to time, never above its capacity.
+local function bucket_level(e, now)
+  if field(e, 'bcap') < 0 then return math.huge end
+  if e.ts == nil then
+    e.level, e.ts = e.bcap, now
+    touch(e)
+  elseif now > e.ts then
+    local level = e.level + (now - e.ts) * e.brate
+    if level < e.bcap then e.level = level else e.level = e.bcap end
+    e.ts = now
+    touch(e)
+  end
+  return e.level
+end
+
+local function bucket_refund(e, amount, now)
+  if field(e, 'bcap') < 0 then return end
+  local level = bucket_level(e, now) + amount
+  if level < e.bcap then e.level = level else e.level = e.bcap end
+  touch(e)
+end
+
+-- The caller's limits of the entitlement's bucket (AdmissionLedger.upsert_entitlement): a new rate keeps the
+-- level refilled at the old one, clipped to the new capacity; a bucket that appears starts full.
+local function bucket_limits(e, capacity, rate, now)
+  if capacity < 0 then
+    if e.bcap ~= -1 then e.bcap, e.brate, e.level, e.ts = -1, 0, nil, nil; touch(e) end
+    return
+  end
+  if field(e, 'bcap') < 0 then
+    e.bcap, e.brate, e.level, e.ts = capacity, rate, capacity, now
+    touch(e)
+  elseif e.bcap ~= capacity or e.brate ~= rate then
+    bucket_level(e, now)
+    e.bcap, e.brate = capacity, rate
+    if e.level > capacity then e.level = capacity end
+    touch(e)
+  end
+end
+
+-- The served/demand window (apps/policy/window.py ServiceWindow.accumulate): integrate the levels up to now.
+local function accumulate(e, now)
+  local elapsed = now - e.last_change
+  if elapsed > 0 then
+    e.slot_s = e.slot_s + e.running * elapsed
+    e.kv_s = e.kv_s + e.kv_running * elapsed
+    e.wait_s = e.wait_s + (e.in_flight - e.running) * elapsed
+    e.last_change = now
+    touch(e)
+  end
+end
+
+local function count_refusal(e, tokens, kv)
+  e.rej_n = e.rej_n + 1
+  e.rej_tok = e.rej_tok + tokens
+  e.rej_kv = e.rej_kv + kv
+  touch(e)
+end
+
+-- Idle reservations of Bound dedicated/guaranteed entitlements: the pool's total and `id`'s own share.
+local function reserved_idle(id)
+  local flat = redis.call('HGETALL', RES)
+  local slots, kv, own_slots, own_kv = 0, 0, 0, 0
+  for i = 1, #flat, 2 do
+    local concurrency, kv_bytes = string.match(flat[i + 1], '^(%S+) (%S+)$')
+    local e = load(ent_key(flat[i]))
+    local s = tonumber(concurrency) - field(e, 'running')
+    if s < 0 then s = 0 end
+    local k = num(kv_bytes) - field(e, 'kv_running')
+    if k < 0 then k = 0 end
+    slots, kv = slots + s, kv + k
+    if flat[i] == id then own_slots, own_kv = s, k end
+  end
+  return slots, kv, own_slots, own_kv
+end
+
+local function publish(kind, ids)
+  for _, id in ipairs(ids) do redis.call('PUBLISH', EVENTS, kind .. ':' .. id) end
+end
+
+local function wait_member(seq, id) return string.format('%016d', seq) .. id end
+local function evict_member(seq, id) return string.format('%015d', 999999999999999 - seq) .. id end
+
+-- running <- (offered | waiting): AdmissionLedger._start
+local function start(pool, r, now)
+  local e = load(ent_key(r.ent))
+  accumulate(e, now)
+  if r.state == 'waiting' then
+    pool.waiting = pool.waiting - 1
+    redis.call('ZREM', WAIT, r.wm)
+    redis.call('ZREM', WAIT_T, r.wm)
+  end
+  r.state = 'running'
+  pool.seq = pool.seq + 1
+  r.seq = pool.seq
+  e.running = e.running + 1
+  e.kv_running = e.kv_running + r.kv
+  pool.running = pool.running + 1
+  pool.kv = pool.kv + r.kv
+  redis.call('ZADD', PRIO, fmt(r.prio), r._id)
+  if r.ev == 1 then
+    pool.ev_n = pool.ev_n + 1
+    pool.ev_kv = pool.ev_kv + r.kv
+    r.em = evict_member(r.seq, r._id)
+    redis.call('ZADD', EVICT, fmt(r.prio), r.em)
+  end
+  touch(e); touch(r); touch(pool)
+end
+
+-- running -> gone: AdmissionLedger._stop
+local function stop(pool, r, now)
+  local e = load(ent_key(r.ent))
+  accumulate(e, now)
+  e.running = e.running - 1
+  e.kv_running = e.kv_running - r.kv
+  e.in_flight = e.in_flight - 1
+  e.kv_in_flight = e.kv_in_flight - r.kv
+  pool.running = pool.running - 1
+  pool.kv = pool.kv - r.kv
+  if r.ev == 1 then
+    pool.ev_n = pool.ev_n - 1
+    pool.ev_kv = pool.ev_kv - r.kv
+    redis.call('ZREM', EVICT, r.em)
+  end
+  redis.call('ZREM', PRIO, r._id)
+  redis.call('ZREM', LEASES, r._id)
+  touch(e); touch(pool)
+  drop(r)
+end
+
+-- waiting -> gone (cancelled or expired), the whole charge refunded: AdmissionLedger._finish_waiting
+local function finish_waiting(pool, r, now)
+  local e = load(ent_key(r.ent))
+  pool.waiting = pool.waiting - 1
+  accumulate(e, now)
+  e.in_flight = e.in_flight - 1
+  e.kv_in_flight = e.kv_in_flight - r.kv
+  bucket_refund(e, r.cost, now)
+  redis.call('ZREM', WAIT, r.wm)
+  redis.call('ZREM', WAIT_T, r.wm)
+  redis.call('ZREM', LEASES, r._id)
+  touch(e); touch(pool)
+  drop(r)
+  return r.cost
+end
+
+-- running -> evicted, the unproduced output refunded: AdmissionLedger._evict
+local function evict_one(pool, r, now)
+  local refund = r.max
+  bucket_refund(load(ent_key(r.ent)), refund, now)
+  stop(pool, r, now)
+  return refund
+end
+
+local function request(id)
+  local r = load(req_key(id))
+  if r._new then return nil end
+  r._id = id
+  return r
+end
+
+-- (slots lacking, KV bytes lacking, entitled): AdmissionLedger._room_for
+local function room_for(pool, r)
+  local missing_slots = 1 - (pool.cap - pool.running)
+  local missing_kv = r.kv - (pool.kv_cap - pool.kv)
+  if r.ev == 1 then return missing_slots, missing_kv, true end
+  local slots, kv, own_slots, own_kv = reserved_idle(r.ent)
+  local entitled = missing_slots - pool.ev_n + (slots - own_slots) <= 0
+    and missing_kv - pool.ev_kv + (kv - own_kv) <= 1e-9
+  return missing_slots, missing_kv, entitled
+end
+
+local function fits(pool, r)
+  local missing_slots, missing_kv, entitled = room_for(pool, r)
+  return entitled and missing_slots <= 0 and missing_kv <= 1e-9 and pool.sat < 1.0
+end
+
+-- Start waiting requests, highest priority first, while the pool has room: AdmissionLedger._drain
+local function drain(pool, now)
+  local started = {}
+  while true do
+    local head = redis.call('ZRANGE', WAIT, 0, 0)
+    if #head == 0 then break end
+    local r = request(string.sub(head[1], 17))
+    if r == nil then
+      redis.call('ZREM', WAIT, head[1])
+    else
+      if not fits(pool, r) then break end
+      start(pool, r, now)
+      table.insert(started, r._id)
+    end
+  end
+  return started
+end
+
+-- Evict lower-priority preemptible work, all or nothing: AdmissionLedger._evict_for
+local function evict_for(pool, r, now)
+  if pool.sat >= 1.0 then return {}, {} end
+  local missing_slots, missing_kv, entitled = room_for(pool, r)
+  local limit = pool.max_ev
+  if not entitled or missing_slots > limit then return {}, {} end
+  local chosen = {}
+  while missing_slots > 0 or missing_kv > 0 do
+    local victim = nil
+    if #chosen < limit then
+      local found = redis.call('ZRANGE', EVICT, #chosen, #chosen, 'WITHSCORES')
+      if #found > 0 and tonumber(found[2]) < r.prio then victim = request(string.sub(found[1], 16)) end
+    end
+    if victim == nil then return {}, {} end
+    table.insert(chosen, victim)
+    missing_slots = missing_slots - 1
+    missing_kv = missing_kv - victim.kv
+  end
+  local evicted = {}
+  for _, victim in ipairs(chosen) do
+    evict_one(pool, victim, now)
+    table.insert(evicted, victim._id)
+  end
+  return evicted, drain(pool, now)
+end
+
+-- The pool as the caller's snapshot describes it (capacity, saturation, reservations, timeouts); a pool seen
+-- for the first time opens its tick window now (AdmissionLedger.__init__).
+local function pool_config(now, cap, kv_cap, sat, timeout, max_ev, reserved)
+  local pool = load(POOL)
+  if pool._new then
+    pool._new = false
+    pool.running, pool.kv, pool.ev_n, pool.ev_kv, pool.waiting, pool.seq, pool.ver = 0, 0, 0, 0, 0, 0, 0
+    pool.last_tick = now
+  end
+  pool.cap, pool.kv_cap, pool.sat, pool.timeout, pool.max_ev = tonumber(cap), num(kv_cap), num(sat), num(timeout), tonumber(max_ev)
+  touch(pool)
+  if reserved ~= nil then
+    redis.call('DEL', RES)
+    for i = 1, #reserved, 2 do redis.call('HSET', RES, reserved[i], reserved[i + 1]) end
+  end
+  return pool
+end
+
+local function changed(pool)
+  pool.ver = pool.ver + 1
+  touch(pool)
+end

@@ -1,0 +1,27 @@
+-- READ: the snapshot `apps.policy.admit` decides on (in Python): the entitlement's levels, bucket and EWMA
+-- state, the pool's levels, idle reservations, admission threshold and lowest evictable priority, and the
+-- pool's version, which COMMIT compares (compare-and-set).
+-- ARGV: now ('' = Redis time), entitlement id, bucket capacity (-1 = unlimited), bucket rate,
+--       then the pool's reservations as pairs: id, "concurrency kv_bytes".
+local now = clock(ARGV[1])
+local e = entitlement(ARGV[2], now)
+bucket_limits(e, tonumber(ARGV[3]), tonumber(ARGV[4]), now)
+local level = bucket_level(e, now)
+local pool = load(POOL)
+local idle_slots, idle_kv = 0, 0
+for i = 5, #ARGV, 2 do
+  local concurrency, kv_bytes = string.match(ARGV[i + 1], '^(%S+) (%S+)$')
+  local other = load(ent_key(ARGV[i]))
+  local s = tonumber(concurrency) - field(other, 'running')
+  if s < 0 then s = 0 end
+  local k = num(kv_bytes) - field(other, 'kv_running')
+  if k < 0 then k = 0 end
+  idle_slots, idle_kv = idle_slots + s, idle_kv + k
+end
+local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
+local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
+save()
+return {fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(e.kv_running), fmt(level), fmt(e.debt),
+        fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')), fmt(idle_slots), fmt(idle_kv),
+        low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')), fmt(field(pool, 'ev_kv')),
+        fmt(field(pool, 'ver'))}

@@ -1,0 +1,43 @@
+-- RELEASE: a running request completed (its unused charge refunded, what it used counted as served), or a
+-- waiting one was cancelled (its whole charge refunded); waiters then start (AdmissionLedger.release).
+-- Unknown ids change nothing (a second release of the same request is harmless).
+-- KEYS: pool prefix, budget slots.  ARGV: now, request id, output tokens ('' = unknown), prompt tokens ('').
+local now = clock(ARGV[1])
+local id = ARGV[2]
+redis.call('ZREM', KEYS[2], id)
+local r = request(id)
+if r == nil then return {'unknown', {}, '0'} end
+local pool = load(POOL)
+local outcome, refund, started
+if r.state == 'waiting' then
+  refund = finish_waiting(pool, r, now)
+  outcome = 'cancelled'
+else
+  local produced, prompt = r.max, r.input
+  local output = tonumber(ARGV[3])
+  if output ~= nil and output == output then
+    if output < 0 then output = 0 end
+    if output > r.max then output = r.max end
+    produced = math.floor(output)
+  end
+  local reported = tonumber(ARGV[4])
+  if reported ~= nil and reported == reported then
+    if reported < 0 then reported = 0 end
+    prompt = math.floor(reported)
+  end
+  local used = prompt + produced
+  refund = r.cost - used
+  if refund < 0 then refund = 0 end
+  local e = load(ent_key(r.ent))
+  if refund > 0 then bucket_refund(e, refund, now) end
+  stop(pool, r, now)
+  e.tok = e.tok + used
+  e.done = e.done + 1
+  touch(e)
+  outcome = 'completed'
+end
+started = drain(pool, now)
+changed(pool)
+save()
+publish('s', started)
+return {outcome, started, fmt(refund)}

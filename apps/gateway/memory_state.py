@@ -1,0 +1,150 @@
+"""The in-process store: one `apps.policy.AdmissionLedger` per pool, driven on the server's event loop.
+
+Nothing here decides or moves state: every transition is the ledger's (the same object the simulator
+drives). This adapter only keeps each ledger's pool in step with the gateway's snapshot, reads the clock,
+and hands the transitions' side effects to the waiting room (started and expired waiters) and to the
+gateway (evicted requests). On one asyncio loop the ledger is never entered concurrently, so no locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from apps.gateway.snapshot import PoolInfo
+from apps.gateway.state import (
+    REJECTED,
+    GatewayStateStore,
+    Offer,
+    Reservation,
+    SlotRequest,
+    rate_view,
+    reservation_for,
+)
+from apps.policy import (
+    AdmissionConfig,
+    AdmissionLedger,
+    AdmissionRequest,
+    Clock,
+    EntitlementLimits,
+    EntitlementState,
+    EntitlementUsage,
+    MonotonicClock,
+)
+from apps.policy.admission import DEFAULT_ADMISSION_CONFIG
+from apps.policy.ledger import OUTCOME_UNKNOWN, WAITING, ReleaseResult
+from apps.policy.window import WindowReading
+
+
+class MemoryStateStore(GatewayStateStore):
+    def __init__(self, clock: Clock | None = None, *, config: AdmissionConfig = DEFAULT_ADMISSION_CONFIG) -> None:
+        super().__init__()
+        self.clock = clock or MonotonicClock()
+        self.config = config
+        self._ledgers: dict[str, AdmissionLedger] = {}
+        self._synced: dict[str, PoolInfo] = {}
+
+    # --- the pool as the snapshot describes it --------------------------------------------------------
+
+    def ledger(self, pool: str) -> AdmissionLedger | None:
+        return self._ledgers.get(pool)
+
+    def _ledger(self, pool: PoolInfo, now: float) -> AdmissionLedger:
+        ledger = self._ledgers.get(pool.name)
+        if ledger is None:
+            ledger = self._ledgers[pool.name] = AdmissionLedger(
+                concurrency_capacity=max(0, pool.concurrency_capacity), kv_capacity=pool.kv_capacity,
+                mean_slo_ms=pool.mean_slo_ms, config=self.config, now=now,
+            )
+        if self._synced.get(pool.name) is not pool:
+            self._apply(pool, ledger, now)
+        return ledger
+
+    def _apply(self, pool: PoolInfo, ledger: AdmissionLedger, now: float) -> None:
+        ledger.set_mean_slo_ms(pool.mean_slo_ms)
+        started = list(ledger.set_capacity(max(0, pool.concurrency_capacity), now, pool.kv_capacity))
+        present = {limits.entitlement_id for limits in pool.entitlements}
+        for limits in pool.entitlements:
+            started += ledger.upsert_entitlement(limits, now)
+        for name in list(ledger.entitlement_ids()):
+            old = ledger.limits(name)
+            if name not in present and old is not None and old.state is not EntitlementState.EXPIRED:
+                # Gone from the pool (deleted, moved): its running requests finish, nothing new is admitted.
+                started += ledger.upsert_entitlement(replace(old, state=EntitlementState.EXPIRED), now)
+        self._synced[pool.name] = pool
+        self._notify(started=started)
+
+    async def sync_pool(self, *, pool: PoolInfo, saturation: float = 0.0) -> None:
+        now = self.clock.now()
+        ledger = self._ledger(pool, now)
+        if saturation != ledger.saturation:
+            self._notify(started=ledger.set_saturation(saturation, now))
+
+    # --- the transitions -------------------------------------------------------------------------------
+
+    async def offer(
+        self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
+        slot: SlotRequest | None = None,
+    ) -> Offer:
+        # One process: no shared budget, so `slot` is never taken here.
+        now = self.clock.now()
+        ledger = self._ledger(pool, now)
+        if saturation != ledger.saturation:
+            self._notify(started=ledger.set_saturation(saturation, now))
+        result = ledger.request(limits.entitlement_id, request, now, limits=limits)
+        decision = result.decision
+        usage = ledger.usage(limits.entitlement_id, now)
+        view = rate_view(limits, usage.in_flight, usage.tokens_available)
+        state = ledger.request_state(request.request_id) if (decision.admitted or decision.queued) else None
+        if state is None:
+            return Offer(decision, None, view, REJECTED)
+        if state == WAITING:
+            self._expect(request.request_id)
+        others = [started for started in result.started if started != request.request_id]
+        self._notify(started=others, evicted=result.evicted)
+        return Offer(decision, reservation_for(limits, pool.name, request, decision), view, state,
+                     result.started, result.evicted)
+
+    async def release(
+        self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
+    ) -> ReleaseResult:
+        self._forget(reservation.request_id)
+        ledger = self._ledgers.get(reservation.pool)
+        if ledger is None:
+            return ReleaseResult(OUTCOME_UNKNOWN)
+        result = ledger.release(reservation.request_id, self.clock.now(), output_tokens=completion_tokens,
+                                prompt_tokens=prompt_tokens)
+        self._notify(started=result.started)
+        return result
+
+    async def expire(self, *, pool: str) -> list[str]:
+        ledger = self._ledgers.get(pool)
+        if ledger is None:
+            return []
+        expired = ledger.expire_waiting(self.clock.now())
+        self._notify(gone=expired)
+        return expired
+
+    async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
+        # Each ledger knows its pool's entitlements (kept in step with the snapshot).
+        now = self.clock.now()
+        readings: dict[str, WindowReading] = {}
+        for ledger in self._ledgers.values():
+            readings.update(ledger.tick_readings(now) or {})
+        return readings
+
+    # --- reads ------------------------------------------------------------------------------------------
+
+    async def entitlement_usage(self, *, limits: EntitlementLimits, pool: str) -> EntitlementUsage:
+        ledger = self._ledgers.get(pool)
+        if ledger is None or ledger.limits(limits.entitlement_id) is None:
+            return EntitlementUsage()
+        return ledger.usage(limits.entitlement_id, self.clock.now())
+
+    async def pool_running(self, *, pool: str) -> int:
+        ledger = self._ledgers.get(pool)
+        return 0 if ledger is None else ledger.running
+
+    async def request_state(self, *, reservation: Reservation) -> str | None:
+        ledger = self._ledgers.get(reservation.pool)
+        return None if ledger is None else ledger.request_state(reservation.request_id)

@@ -1,0 +1,142 @@
+"""Three ways to run a scenario: the policy's ledger itself, the gateway's in-process store, and the
+gateway's Redis store (a real Redis), all on one fake clock. Each step returns a plain dict observation."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import astuple
+from typing import Any
+
+from apps.gateway.memory_state import MemoryStateStore
+from apps.gateway.redis_state import RedisStateStore
+from apps.gateway.snapshot import PoolInfo
+from apps.gateway.state import GatewayStateStore, Reservation
+from apps.policy import AdmissionDecision, AdmissionLedger, AdmissionRequest, EntitlementState, ManualClock
+from apps.policy.window import WindowReading
+from tests.conformance.scenarios import (
+    CONFIG,
+    Cancel,
+    Complete,
+    Expire,
+    Offer,
+    Scenario,
+    Tick,
+    Usage,
+)
+
+POOL = "conformance"
+
+
+def pool_info(scenario: Scenario) -> PoolInfo:
+    reserved = tuple(
+        (e.entitlement_id, e.concurrency or 0, float(e.kv_bytes or 0.0))
+        for e in scenario.entitlements if e.traits.reserved and e.state is EntitlementState.BOUND
+    )
+    return PoolInfo(
+        name=POOL, model_name="m", replica_urls=("http://backend",), concurrency_capacity=scenario.pool.slots,
+        kv_capacity=scenario.pool.kv_capacity, kv_bytes_per_token=0, context_window=4096,
+        mean_slo_ms=scenario.pool.mean_slo_ms, reserved=reserved, entitlements=scenario.entitlements,
+    )
+
+
+def decision_figures(decision: AdmissionDecision) -> dict[str, Any]:
+    return {"reason": decision.reason, "check": decision.check, "priority": decision.priority,
+            "retry_after_s": decision.retry_after_s, "max_tokens": decision.max_tokens,
+            "token_cost": decision.token_cost, "kv_bytes": decision.kv_bytes, "evict": decision.evict}
+
+
+def tick_figures(readings: Mapping[str, WindowReading]) -> dict[str, Any]:
+    """Debt and burst, and the served and demanded rates they came from (the window's figures)."""
+    return {
+        "dynamics": {k: (r.dynamics.debt, r.dynamics.burst) for k, r in readings.items()},
+        "served": {k: astuple(r.served) for k, r in readings.items()},
+        "demand": {k: astuple(r.demand) for k, r in readings.items()},
+    }
+
+
+class LedgerDriver:
+    """`apps.policy.AdmissionLedger` driven directly: the definition the stores are held to."""
+
+    name = "ledger"
+
+    async def start(self, scenario: Scenario, clock: ManualClock) -> None:
+        self.clock, self.scenario = clock, scenario
+        self.ledger = AdmissionLedger(concurrency_capacity=scenario.pool.slots, kv_capacity=scenario.pool.kv_capacity,
+                                      mean_slo_ms=scenario.pool.mean_slo_ms, config=CONFIG, now=clock.now())
+        for limits in scenario.entitlements:
+            self.ledger.upsert_entitlement(limits, clock.now())
+
+    async def stop(self) -> None:
+        self.ledger.check_invariants()
+
+    async def run(self, step: Any) -> dict[str, Any]:
+        now, ledger = self.clock.now(), self.ledger
+        if isinstance(step, Offer):
+            result = ledger.request(step.ent, AdmissionRequest(step.rid, step.input_tokens, step.max_tokens), now)
+            return {"state": ledger.request_state(step.rid) or "rejected", "started": result.started,
+                    "evicted": result.evicted, **decision_figures(result.decision)}
+        if isinstance(step, Complete | Cancel):
+            output = step.output if isinstance(step, Complete) else None
+            prompt = step.prompt if isinstance(step, Complete) else None
+            released = ledger.release(step.rid, now, output_tokens=output, prompt_tokens=prompt)
+            return {"outcome": released.outcome, "started": released.started, "refund": released.refunded_tokens}
+        if isinstance(step, Expire):
+            return {"expired": tuple(ledger.expire_waiting(now))}
+        if isinstance(step, Tick):
+            return tick_figures(ledger.tick_readings(now) or {})
+        if isinstance(step, Usage):
+            usage = ledger.usage(step.ent, now)
+            return {"in_flight": usage.in_flight, "running": usage.running, "tokens": usage.tokens_available}
+        raise TypeError(step)
+
+
+class StoreDriver:
+    """A gateway state store: the in-process one or the Redis one."""
+
+    def __init__(self, name: str, redis_url: str | None = None) -> None:
+        self.name = name
+        self.redis_url = redis_url
+
+    def _store(self, clock: ManualClock) -> GatewayStateStore:
+        if self.name == "memory":
+            return MemoryStateStore(clock, config=CONFIG)
+        assert self.redis_url is not None
+        return RedisStateStore(url=self.redis_url, clock=clock, config=CONFIG, prefix=f"tp:conf:{uuid.uuid4().hex}:")
+
+    async def start(self, scenario: Scenario, clock: ManualClock) -> None:
+        self.clock, self.scenario = clock, scenario
+        self.store = self._store(clock)
+        self.pool = pool_info(scenario)
+        self.limits = {limits.entitlement_id: limits for limits in scenario.entitlements}
+        self.reservations: dict[str, Reservation] = {}
+        await self.store.sync_pool(pool=self.pool)
+
+    async def stop(self) -> None:
+        await self.store.close()
+
+    async def run(self, step: Any) -> dict[str, Any]:
+        store = self.store
+        if isinstance(step, Offer):
+            offer = await store.offer(limits=self.limits[step.ent], pool=self.pool,
+                                      request=AdmissionRequest(step.rid, step.input_tokens, step.max_tokens))
+            if offer.reservation is not None:
+                self.reservations[step.rid] = offer.reservation
+            return {"state": offer.state, "started": offer.started, "evicted": offer.evicted,
+                    **decision_figures(offer.decision)}
+        if isinstance(step, Complete | Cancel):
+            reservation = self.reservations[step.rid]
+            if isinstance(step, Complete):
+                released = await store.release(reservation=reservation, prompt_tokens=step.prompt,
+                                               completion_tokens=step.output)
+            else:
+                released = await store.release(reservation=reservation)
+            return {"outcome": released.outcome, "started": released.started, "refund": released.refunded_tokens}
+        if isinstance(step, Expire):
+            return {"expired": tuple(await store.expire(pool=POOL))}
+        if isinstance(step, Tick):
+            return tick_figures(await store.tick(entitlements={POOL: self.scenario.entitlements}))
+        if isinstance(step, Usage):
+            usage = await store.entitlement_usage(limits=self.limits[step.ent], pool=POOL)
+            return {"in_flight": usage.in_flight, "running": usage.running, "tokens": usage.tokens_available}
+        raise TypeError(step)

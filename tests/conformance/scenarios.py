@@ -1,0 +1,281 @@
+"""One table of admission scenarios, run against the ledger, the in-process store and the Redis store.
+
+A scenario is a pool, its entitlements and a list of steps on a fake clock. A step may state what it
+expects (`expect`, `reason`, `started`, ...): that is checked on every driver. Every step's full
+observation is also compared across drivers, so the stores must agree with the ledger on everything
+they report, expected or not (floats to 1e-9).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from apps.policy import AdmissionConfig, EntitlementLimits
+
+CONFIG = AdmissionConfig(wait_timeout_s=1.0, max_evictions_per_request=4)
+
+
+@dataclass(frozen=True)
+class Pool:
+    slots: int
+    kv_capacity: float = math.inf
+    mean_slo_ms: float = 1000.0
+
+
+@dataclass(frozen=True)
+class At:
+    """Move the fake clock to `t` seconds."""
+
+    t: float
+
+
+@dataclass(frozen=True)
+class Offer:
+    rid: str
+    ent: str
+    input_tokens: int = 10
+    max_tokens: int | None = 20
+    expect: str | None = None  # running | waiting | rejected
+    reason: str | None = None
+    started: tuple[str, ...] | None = None
+    evicted: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Complete:
+    """The backend answered (or the client went away mid-stream): release with the tokens produced."""
+
+    rid: str
+    output: int | None
+    prompt: int | None = None
+    expect: str | None = "completed"
+    started: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The client went away while its request waited."""
+
+    rid: str
+    expect: str | None = "cancelled"
+    started: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Expire:
+    expect: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class Usage:
+    ent: str
+    in_flight: int | None = None
+    running: int | None = None
+    tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    pool: Pool
+    entitlements: tuple[EntitlementLimits, ...]
+    steps: tuple[Any, ...]
+    # A check of the whole trace (list of observations), e.g. debt rising then decaying.
+    check: Callable[[list[dict[str, Any]]], None] | None = field(default=None, compare=False)
+
+
+def ent(name: str, service_class: str, **fields: Any) -> EntitlementLimits:
+    fields.setdefault("slo_target_ms", 1000.0)
+    return EntitlementLimits(entitlement_id=name, service_class=service_class, **fields)
+
+
+def _debts(trace: list[dict[str, Any]], name: str) -> list[float]:
+    return [obs["dynamics"][name][0] for obs in trace if obs["step"] == "Tick"]
+
+
+def _debt_rises_then_decays(trace: list[dict[str, Any]]) -> None:
+    debts = _debts(trace, "batch")
+    rising, falling = debts[:3], debts[3:]
+    assert 0 < rising[0] < rising[1] < rising[2], debts
+    assert falling[0] < rising[2] and all(b < a for a, b in zip(falling, falling[1:], strict=False)), debts
+    assert falling[-1] < 0.5 * rising[2], debts
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "plain admission", Pool(slots=4),
+        (ent("chat", "guaranteed", concurrency=2, tokens_per_second=10.0),),
+        (
+            At(1.0),
+            Offer("r1", "chat", 10, 20, expect="running", reason="admitted", started=("r1",)),
+            Usage("chat", in_flight=1, running=1, tokens=600.0 - 30),
+            At(2.0),
+            Complete("r1", output=20, started=()),
+            Usage("chat", in_flight=0, running=0, tokens=580.0),
+        ),
+    ),
+    Scenario(
+        "check 1: entitlement not bound", Pool(slots=4),
+        (ent("degraded", "guaranteed", concurrency=2, state="degraded"),),
+        (Offer("r1", "degraded", expect="rejected", reason="entitlement_not_bound"),),
+    ),
+    Scenario(
+        "check 2: output bound", Pool(slots=4),
+        (ent("chat", "elastic", concurrency=2, context_window=100),),
+        (
+            Offer("r1", "chat", 90, 20, expect="rejected", reason="context_length_exceeded"),
+            Offer("r2", "chat", 10, 0, expect="rejected", reason="max_tokens_invalid"),
+            Offer("r3", "chat", 90, None, expect="running"),
+        ),
+    ),
+    Scenario(
+        "check 3: concurrency", Pool(slots=4),
+        (ent("chat", "guaranteed", concurrency=1),),
+        (
+            Offer("r1", "chat", expect="running"),
+            Offer("r2", "chat", expect="rejected", reason="concurrency_limit_exceeded"),
+        ),
+    ),
+    Scenario(
+        "check 4: token budget and KV bytes", Pool(slots=8),
+        (
+            ent("rated", "guaranteed", concurrency=4, tokens_per_second=1.0),
+            ent("kv", "guaranteed", concurrency=4, kv_bytes=100.0, kv_bytes_per_token=2.0),
+        ),
+        (
+            Offer("r1", "rated", 10, 20, expect="running"),
+            Offer("r2", "rated", 10, 20, expect="running"),
+            Offer("r3", "rated", 10, 20, expect="rejected", reason="rate_limit_exceeded"),
+            At(30.0),
+            Offer("r4", "rated", 10, 20, expect="running"),
+            Offer("k1", "kv", 10, 20, expect="running"),
+            Offer("k2", "kv", 10, 20, expect="rejected", reason="kv_cache_limit_exceeded"),
+        ),
+    ),
+    Scenario(
+        "check 5: pool contention", Pool(slots=1),
+        (ent("chat", "guaranteed", concurrency=1), ent("cheap", "spot", concurrency=4)),
+        (
+            Offer("r1", "chat", expect="running"),
+            Offer("r2", "cheap", expect="rejected", reason="pool_contended"),
+        ),
+    ),
+    Scenario(
+        "waiting: a higher priority starts before an earlier lower one", Pool(slots=1),
+        (
+            ent("cheap", "spot", concurrency=1),
+            ent("relaxed", "elastic", concurrency=1, slo_target_ms=5000.0),
+            ent("urgent", "elastic", concurrency=1, slo_target_ms=1000.0),
+        ),
+        (
+            Offer("s1", "cheap", expect="running"),
+            At(0.1),
+            Offer("lo", "relaxed", expect="waiting", reason="queued"),
+            At(0.2),
+            Offer("hi", "urgent", expect="waiting", reason="queued"),
+            At(0.3),
+            Complete("s1", output=20, started=("hi",)),
+            At(0.4),
+            Complete("hi", output=20, started=("lo",)),
+            Complete("lo", output=20, started=()),
+        ),
+    ),
+    Scenario(
+        "a waiter expires at the acquire timeout", Pool(slots=1),
+        (ent("cheap", "spot", concurrency=1), ent("batch", "elastic", concurrency=2, tokens_per_second=1.0)),
+        (
+            Offer("s1", "cheap", expect="running"),
+            At(0.5),
+            Offer("w1", "batch", expect="waiting"),
+            Usage("batch", in_flight=1, running=0, tokens=60.0 - 30),
+            At(1.4),
+            Expire(expect=()),
+            At(1.5),
+            Expire(expect=("w1",)),
+            Usage("batch", in_flight=0, running=0, tokens=60.0),
+            Complete("s1", output=20, started=()),
+        ),
+    ),
+    Scenario(
+        "a preemptible request is evicted for a guaranteed one", Pool(slots=2),
+        (
+            ent("chat", "guaranteed", concurrency=1, tokens_per_second=10.0),
+            ent("cheap", "spot", concurrency=4),
+            ent("scavenger", "preemptible", concurrency=4, tokens_per_second=10.0),
+        ),
+        (
+            Offer("s1", "cheap", expect="running"),
+            Offer("p1", "scavenger", expect="running"),
+            At(0.5),
+            Offer("g1", "chat", expect="running", reason="queued", started=("g1",), evicted=("p1",)),
+            # charged 30 at 0.0, refilled 5 by 0.5, the 20 tokens it was not allowed to produce refunded
+            Usage("scavenger", in_flight=0, running=0, tokens=595.0),
+            Complete("p1", output=3, expect="unknown"),
+        ),
+    ),
+    Scenario(
+        "unused tokens are refunded", Pool(slots=2),
+        (ent("chat", "guaranteed", concurrency=2, tokens_per_second=1.0),),
+        (
+            Offer("r1", "chat", 10, 40, expect="running"),
+            Usage("chat", tokens=10.0),
+            Complete("r1", output=5),
+            Usage("chat", tokens=45.0),
+            Offer("r2", "chat", 10, 20, expect="running"),
+            Usage("chat", tokens=15.0),
+            # the backend counted a shorter prompt than the gateway did: that difference comes back too
+            Complete("r2", output=5, prompt=2),
+            Usage("chat", tokens=38.0),
+        ),
+    ),
+    Scenario(
+        "released after a client disconnect", Pool(slots=1),
+        (ent("cheap", "spot", concurrency=2), ent("batch", "elastic", concurrency=2, tokens_per_second=1.0)),
+        (
+            Offer("s1", "cheap", expect="running"),
+            Offer("w1", "batch", 10, 20, expect="waiting"),
+            Offer("w2", "batch", 10, 20, expect="waiting"),
+            At(0.2),
+            Cancel("w1", started=()),
+            Usage("batch", in_flight=1, tokens=30.2),
+            At(0.3),
+            Complete("s1", output=4, started=("w2",)),
+            At(0.6),
+            Complete("w2", output=7, started=()),
+            Usage("batch", in_flight=0, tokens=43.6),
+            Cancel("w1", expect="unknown"),
+        ),
+    ),
+    Scenario(
+        # Spot work holds the pool; the elastic entitlement's requests wait and expire, second after second
+        # (unmet demand: debt rises), then it is served its whole baseline (no gap: debt decays).
+        "the debt of an underserved elastic entitlement rises, then decays", Pool(slots=2),
+        (ent("cheap", "spot", concurrency=2), ent("batch", "elastic", concurrency=2)),
+        (
+            Offer("s1", "cheap", expect="running"),
+            Offer("s2", "cheap", expect="running"),
+            *(step for second in (1, 2, 3) for step in (
+                At(second - 1.0),
+                Offer(f"b{second}a", "batch", expect="waiting"),
+                Offer(f"b{second}b", "batch", expect="waiting"),
+                At(float(second)),
+                Expire(expect=(f"b{second}a", f"b{second}b")),
+                Tick(),
+            )),
+            Complete("s1", output=20),
+            Complete("s2", output=20),
+            Offer("run1", "batch", expect="running"),
+            Offer("run2", "batch", expect="running"),
+            *(step for second in (4, 5, 6, 7) for step in (At(float(second)), Tick())),
+        ),
+        check=_debt_rises_then_decays,
+    ),
+)
