@@ -32,8 +32,9 @@ site_application = ProtocolTypeRouter(
 )
 
 from apps.gateway.asgi import dispatch  # noqa: E402  (needs the app registry ready)
-from workers.ticks import with_in_process_ticks  # noqa: E402
+from tokenpools_site.lifespan import with_lifespan  # noqa: E402
 
 # The gateway path skips Django's request handling entirely (ARCHITECTURE.md: no ORM per request).
-# The lifespan starts the periodic ticks inside the server when no Celery broker is configured.
-application = with_in_process_ticks(dispatch(site_application))
+# The lifespan starts the gateway (and the periodic ticks when no Celery broker runs them) and stops it
+# cleanly: in-flight requests drain, nothing held stays held, usage is flushed.
+application = with_lifespan(dispatch(site_application))

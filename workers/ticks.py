@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from apps.gateway.loops import bind_gateway_loop, ticks_mode
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,8 +48,8 @@ class TickSpec:
 
 
 DEFAULT_TICKS: tuple[TickSpec, ...] = (
-    TickSpec("ewma", 1.0, "workers.services:tick_ewma", "debt and burst EWMAs of every active entitlement"),
-    TickSpec("aimd", 5.0, "workers.services:tick_aimd", "AIMD budget of every pool from its p99 TTFT window"),
+    TickSpec("ewma", 1.0, "apps.gateway.loops:tick_ewma", "debt and burst EWMAs of every active entitlement"),
+    TickSpec("aimd", 5.0, "apps.gateway.loops:tick_aimd", "AIMD budget of every pool from its p99 TTFT window"),
     TickSpec("scrape", 5.0, "workers.services:tick_scrape", "vLLM /metrics of every replica, measured capacity"),
     TickSpec("autoscale", 15.0, "workers.services:tick_autoscale", "desired replicas of every pool"),
     TickSpec("expiry", 30.0, "workers.services:tick_expiry", "entitlements past expires_at become Expired"),
@@ -244,28 +246,6 @@ _in_process: Ticker | None = None
 _in_process_guard = threading.Lock()
 
 
-def ticks_mode() -> str:
-    """'celery' when a real broker is configured (beat + worker run the ticks), else 'in-process'.
-
-    `TOKENPOOLS_TICKS` (environment or settings) forces one: 'celery', 'in-process' or 'off'.
-    """
-    forced = os.environ.get("TOKENPOOLS_TICKS")
-    broker = "memory://"
-    try:
-        from django.conf import settings
-
-        forced = forced or getattr(settings, "TOKENPOOLS_TICKS", None)
-        broker = getattr(settings, "CELERY_BROKER_URL", broker) or broker
-    except Exception:  # no settings module configured
-        pass
-    if forced:
-        mode = forced.strip().lower().replace("_", "-")
-        if mode not in {"celery", "in-process", "off"}:
-            raise ValueError(f"TOKENPOOLS_TICKS must be celery, in-process or off, got {forced!r}")
-        return mode
-    return "in-process" if broker.startswith("memory://") else "celery"
-
-
 def start_in_process_ticker(names: Iterable[str] = IN_PROCESS_TICKS, *, force: bool = False) -> Ticker | None:
     """Start the ticks inside this process (once; later calls return the same ticker).
 
@@ -283,8 +263,6 @@ def start_in_process_ticker(names: Iterable[str] = IN_PROCESS_TICKS, *, force: b
             return None
     with _in_process_guard:
         if _in_process is None:
-            from workers.services import bind_gateway_loop
-
             bind_gateway_loop()
             _in_process = Ticker(tick_specs(names))
             _in_process.start()
@@ -298,33 +276,3 @@ def stop_in_process_ticker() -> None:
         if _in_process is not None:
             _in_process.stop(wait=False)
             _in_process = None
-
-
-def with_in_process_ticks(app: Any) -> Any:
-    """Wrap an ASGI app so that the server's lifespan starts and stops the in-process ticker.
-
-    Other scopes go to `app` untouched; the lifespan is answered here (the site's router does not
-    speak it). The ticker starts inside the server's event loop, so ticks reach the gateway's
-    in-process state store on it; with a broker configured it does not start (Celery runs the ticks).
-    """
-
-    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "lifespan":
-            await app(scope, receive, send)
-            return
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    start_in_process_ticker()
-                except Exception as exc:
-                    logger.exception("in-process ticker did not start")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                stop_in_process_ticker()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
-    return wrapped

@@ -442,7 +442,7 @@ async def collect_pool_sample(
         in_flight, kv_bytes, debt, burst = 0, 0.0, 0.0, 0.0
         if store is not None:
             try:
-                usage = await store.entitlement_usage(limits=limits)
+                usage = await store.entitlement_usage(limits=limits, pool=name)
                 in_flight, kv_bytes, debt, burst = usage.in_flight, usage.kv_bytes_in_flight, usage.debt, usage.burst
             except Exception:  # an unreachable Redis: a sample with zeros beats no sample
                 logger.warning("telemetry: state store unreachable for %s", ent_name, exc_info=True)
@@ -605,15 +605,11 @@ async def publish_pool_samples(*, now: float | None = None, gateway: Any = None)
 
 def _bound_loop() -> asyncio.AbstractEventLoop | None:
     """The server's event loop, where the in-process gateway state and the in-memory channel layer live:
-    the one the in-process ticker bound (workers.services), else the page-driven sampler's; a loop that
-    stopped (a server that went away) does not count."""
-    try:
-        from workers import services as worker_services
+    the one the gateway bound (apps.gateway.loops), else the page-driven sampler's; a loop that stopped (a
+    server that went away) does not count."""
+    from apps.gateway.loops import gateway_loop
 
-        bound = getattr(worker_services, "_gateway_loop", None)
-    except Exception:  # pragma: no cover - the workers package is always installed here
-        bound = None
-    for loop in (bound, _server_loop):
+    for loop in (gateway_loop(), _server_loop):
         if loop is not None and loop.is_running():
             return loop
     return None

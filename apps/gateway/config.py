@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from apps.policy import AdmissionConfig
+
 
 def _setting(name: str, default: Any) -> Any:
     try:
@@ -49,7 +51,17 @@ class GatewayConfig:
     # Feed the replicas' scraped vLLM saturation into admission check 5 (seed 004's detector).
     saturation_admission: bool = True
     background: bool = True
+    # How long `serve` lets in-flight requests finish on SIGTERM before cancelling them.
+    drain_timeout_s: float = 30.0
+    # A reservation's lease in the shared store, and how often its process renews it: a process that
+    # dies stops renewing, and its reservations are released one lease later.
+    lease_s: float = 10.0
+    lease_renew_s: float = 3.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def admission_config(self) -> AdmissionConfig:
+        """The state machine's parameters: a waiter waits the acquire timeout (seed 002)."""
+        return AdmissionConfig(wait_timeout_s=self.acquire_timeout_s)
 
     @classmethod
     def from_settings(cls, **overrides: Any) -> GatewayConfig:
@@ -73,6 +85,9 @@ class GatewayConfig:
             "health_interval_s": _setting("GATEWAY_HEALTH_INTERVAL_S", cls.health_interval_s),
             "usage_flush_s": _setting("GATEWAY_USAGE_FLUSH_S", cls.usage_flush_s),
             "saturation_admission": _setting("GATEWAY_SATURATION_ADMISSION", cls.saturation_admission),
+            "drain_timeout_s": _setting("GATEWAY_DRAIN_TIMEOUT_S", cls.drain_timeout_s),
+            "lease_s": _setting("GATEWAY_LEASE_S", cls.lease_s),
+            "lease_renew_s": _setting("GATEWAY_LEASE_RENEW_S", cls.lease_renew_s),
         }
         values.update(overrides)
         return cls(**values)

@@ -22,10 +22,10 @@ from apps.dashboard.telemetry import (
 )
 from apps.gateway.app import Gateway
 from apps.gateway.config import GatewayConfig
+from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.scheduler import PoolScheduler
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
-from apps.gateway.state import MemoryStateStore
-from apps.policy import AdmissionRequest, EntitlementLimits, priority_weight
+from apps.policy import AdmissionRequest, Dynamics, EntitlementLimits, priority_weight
 
 T0 = 1_800_000_000.0
 GIB = 1 << 30
@@ -73,9 +73,9 @@ async def admit(gw: Gateway, name: str, request_id: str) -> None:
     assert gw.store is not None
     snapshot = gw.snapshots.current
     assert snapshot is not None
-    result = await gw.store.admit(limits=entry_limits(gw, name), pool=snapshot.pools["qwen"],
-                                  request=AdmissionRequest(request_id, 100, 100))
-    assert result.decision.admitted, result.decision
+    offer = await gw.store.offer(limits=entry_limits(gw, name), pool=snapshot.pools["qwen"],
+                                 request=AdmissionRequest(request_id, 100, 100))
+    assert offer.decision.admitted, offer.decision
 
 
 @pytest.mark.asyncio
@@ -96,7 +96,8 @@ async def test_sample_reads_store_scheduler_and_metrics(gateway: Gateway) -> Non
     for i in range(3):
         await admit(gateway, "acme-chat", f"r{i}")
     assert gateway.store is not None
-    await gateway.store.dynamics_set(entitlement="acme-chat", debt=0.5, burst=0.0)
+    ledger = gateway.store.ledger("qwen")  # type: ignore[attr-defined]
+    ledger.set_dynamics("acme-chat", Dynamics(debt=0.5, burst=0.0))  # as the EWMA tick leaves it
     gateway.metrics.admitted.inc(("acme-chat", "guaranteed"), 3)
     gateway.metrics.rejected.inc(("globex-batch", "spot", "pool_contended"), 2)
     gateway.metrics.tokens.inc(("acme-chat", "prompt"), 100)
@@ -281,7 +282,7 @@ def test_publish_tick_from_a_thread_runs_on_the_server_loop(gateway: Gateway, mo
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     monkeypatch.setattr(telemetry, "_server_loop", loop)
-    monkeypatch.setattr("workers.services._gateway_loop", None)  # no in-process ticker bound in this test
+    monkeypatch.setattr("apps.gateway.loops._gateway_loop", None)  # no in-process ticker bound in this test
     seen_on: list[threading.Thread] = []
     original = telemetry.collect_pool_sample
 

@@ -8,8 +8,9 @@ import pytest
 
 from apps.gateway.app import Gateway
 from apps.gateway.config import GatewayConfig
+from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.snapshot import SnapshotCache, snapshot_load
-from apps.gateway.state import GatewayStateStore, MemoryStateStore
+from apps.gateway.state import GatewayStateStore
 from apps.tenancy.models import Tenant
 from apps.tenancy.services import apikey_create
 from tests.gateway.servers import ServerThread
@@ -39,14 +40,14 @@ class Harness:
         assert snapshot is not None
         entry = next(e for e in snapshot.keys.values() if e.entitlement == (name or self.entitlement.name))
         assert self.gateway.store is not None
-        return self.server.call(self.gateway.store.entitlement_usage(limits=entry.limits))
+        return self.server.call(self.gateway.store.entitlement_usage(limits=entry.limits, pool=entry.pool_name))
 
     def running(self) -> int:
         return self.server.call(_running(self.gateway))
 
 
 async def _running(gateway: Gateway) -> int:
-    return sum(len(r) for r in gateway.running.values())
+    return sum(1 for _ in gateway.in_flight.contexts())
 
 
 @pytest.fixture

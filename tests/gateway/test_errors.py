@@ -99,8 +99,8 @@ def test_gateway_that_cannot_load_its_snapshot_answers_503() -> None:
 
     from apps.gateway.app import Gateway
     from apps.gateway.config import GatewayConfig
+    from apps.gateway.memory_state import MemoryStateStore
     from apps.gateway.snapshot import SnapshotCache
-    from apps.gateway.state import MemoryStateStore
 
     def broken() -> Any:
         raise RuntimeError("database is away")

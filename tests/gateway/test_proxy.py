@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from apps.gateway.state import MemoryStateStore
+from apps.gateway.memory_state import MemoryStateStore
+from apps.policy import ManualClock
 
 pytestmark = pytest.mark.django_db
 
@@ -29,7 +30,7 @@ def sse_events(text: str) -> list[str]:
 
 def frozen_store() -> MemoryStateStore:
     # A clock that never moves: the token bucket refills nothing, so its level is exact.
-    return MemoryStateStore(clock=lambda: 100.0)
+    return MemoryStateStore(clock=ManualClock(100.0))
 
 
 def test_non_streaming_chat_is_proxied_with_headers_and_accounted(gateway_factory: Any) -> None:

@@ -1,17 +1,21 @@
-"""The Redis store on a real Redis: exact limits across two stores (as two processes), idempotent
-release with refunds, fail-closed errors and recovery."""
+"""The Redis store on a real Redis, as several gateway processes share it: exact limits across stores,
+priority-ordered waiting across stores, idempotent release with refunds, leases of dead processes,
+the dispatch budget's slot taken with the reservation, fail-closed errors. (That each transition behaves
+as the ledger's is tests/conformance's job.)"""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
-from apps.gateway.state import StateStoreUnavailable
-from apps.policy import AdmissionRequest, EntitlementLimits
+from apps.gateway.state import SlotRequest, StateStoreUnavailable
+from apps.policy import AdmissionConfig, AdmissionRequest, EntitlementLimits
 from tests.support.services import free_port
 
 pytestmark = pytest.mark.redis
@@ -24,89 +28,153 @@ def limits(name: str, **overrides: object) -> EntitlementLimits:
     return EntitlementLimits(entitlement_id=name, **fields)  # type: ignore[arg-type]
 
 
-def pool(name: str) -> PoolInfo:
-    return PoolInfo(name=name, model_name="m", replica_urls=("http://x",), concurrency_capacity=100,
-                    kv_capacity=1e12, kv_bytes_per_token=0, context_window=4096)
+def pool(name: str, slots: int = 100, *entitlements: EntitlementLimits) -> PoolInfo:
+    reserved = tuple((e.entitlement_id, e.concurrency or 0, float(e.kv_bytes or 0.0))
+                     for e in entitlements if e.traits.reserved)
+    return PoolInfo(name=name, model_name="m", replica_urls=("http://x",), concurrency_capacity=slots,
+                    kv_capacity=1e12, kv_bytes_per_token=0, context_window=4096, reserved=reserved,
+                    entitlements=entitlements)
 
 
 def request(max_tokens: int = 10) -> AdmissionRequest:
     return AdmissionRequest(uuid.uuid4().hex, input_tokens=5, max_tokens=max_tokens)
 
 
-def test_two_stores_enforce_one_concurrency_limit_exactly(redis_url: str) -> None:
-    name, pool_name = uuid.uuid4().hex, uuid.uuid4().hex
+def with_stores(redis_url: str, count: int, body: Callable[..., Awaitable[Any]], **options: Any) -> Any:
+    """Run `body(*stores)` with `count` stores on one prefix: as many gateway processes."""
+    prefix = f"t{uuid.uuid4().hex}:"
 
-    async def scenario() -> tuple[int, int, int]:
-        first, second = RedisStateStore(url=redis_url), RedisStateStore(url=redis_url)
+    async def run() -> Any:
+        stores = [RedisStateStore(url=redis_url, prefix=prefix, **options) for _ in range(count)]
         try:
-            ent, p = limits(name), pool(pool_name)
-            results = await asyncio.gather(*(
-                (first if i % 2 else second).admit(limits=ent, pool=p, request=request()) for i in range(24)
-            ))
-            admitted = [r for r in results if r.reservation is not None]
-            reasons = {r.decision.reason for r in results if r.reservation is None}
-            assert reasons <= {"concurrency_limit_exceeded"}
-            in_flight = (await first.entitlement_usage(limits=ent)).in_flight
-            running = await second.pool_running(pool=pool_name)
-            for result in admitted:
-                assert result.reservation is not None
-                await first.release(reservation=result.reservation, prompt_tokens=5, completion_tokens=10)
-            return len(admitted), in_flight, running
+            return await body(*stores)
         finally:
-            await first.close()
-            await second.close()
+            for store in stores:
+                await store.close()
 
-    admitted, in_flight, running = asyncio.run(scenario())
-    assert admitted == 3
-    assert in_flight == 3
-    assert running == 3
+    return asyncio.run(run())
+
+
+def test_two_stores_enforce_one_concurrency_limit_exactly(redis_url: str) -> None:
+    async def body(first: RedisStateStore, second: RedisStateStore) -> tuple[int, int, int]:
+        ent, p = limits("e"), pool("p")
+        offers = await asyncio.gather(*(
+            (first if i % 2 else second).offer(limits=ent, pool=p, request=request()) for i in range(24)
+        ))
+        admitted = [o for o in offers if o.state == "running"]
+        assert {o.decision.reason for o in offers if o.state == "rejected"} <= {"concurrency_limit_exceeded"}
+        in_flight = (await first.entitlement_usage(limits=ent, pool="p")).in_flight
+        running = await second.pool_running(pool="p")
+        for offer in admitted:
+            assert offer.reservation is not None
+            await first.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=10)
+        return len(admitted), in_flight, running
+
+    assert with_stores(redis_url, 2, body) == (3, 3, 3)
+
+
+def test_two_stores_share_one_token_bucket_exactly(redis_url: str) -> None:
+    async def body(first: RedisStateStore, second: RedisStateStore) -> list[str]:
+        # A 100-token bucket refilling at 0.001 token/s; each request costs 5 + 25 = 30.
+        ent = limits("e", concurrency=50, tokens_per_second=0.001, token_bucket_seconds=100_000.0)
+        offers = await asyncio.gather(*(
+            (first if i % 2 else second).offer(limits=ent, pool=pool("p"), request=request(max_tokens=25))
+            for i in range(10)
+        ))
+        return sorted(o.decision.reason for o in offers)
+
+    reasons = with_stores(redis_url, 2, body)
+    assert reasons.count("admitted") == 3
+    assert reasons.count("rate_limit_exceeded") == 7
 
 
 def test_release_is_idempotent_and_refunds_unused_tokens(redis_url: str) -> None:
-    name, pool_name = uuid.uuid4().hex, uuid.uuid4().hex
+    async def body(store: RedisStateStore) -> None:
+        ent, p = limits("e"), pool("p")
+        before = (await store.entitlement_usage(limits=ent, pool="p")).tokens_available
+        offer = await store.offer(limits=ent, pool=p, request=request(max_tokens=100))
+        assert offer.reservation is not None
+        charged = (await store.entitlement_usage(limits=ent, pool="p")).tokens_available
+        # Refill is 1 token/s: allow for the seconds this test may take, nothing near the 105 charged.
+        assert before - 105 <= charged <= before - 105 + 5
+        first = await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=20)
+        second = await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=20)
+        assert (first.outcome, first.refunded_tokens, second.outcome) == ("completed", 80.0, "unknown")
+        usage = await store.entitlement_usage(limits=ent, pool="p")
+        assert usage.in_flight == 0
+        assert before - 25 <= usage.tokens_available <= before - 25 + 5
+        assert await store.pool_running(pool="p") == 0
 
-    async def scenario() -> None:
-        store = RedisStateStore(url=redis_url)
-        try:
-            ent, p = limits(name), pool(pool_name)
-            before = (await store.entitlement_usage(limits=ent)).tokens_available
-            result = await store.admit(limits=ent, pool=p, request=request(max_tokens=100))
-            assert result.reservation is not None
-            charged = (await store.entitlement_usage(limits=ent)).tokens_available
-            # Refill is 1 token/s: allow for the seconds this test may take, nothing near the 105 charged.
-            assert before - 105 <= charged <= before - 105 + 5
-            assert await store.release(reservation=result.reservation, prompt_tokens=5, completion_tokens=20)
-            assert not await store.release(reservation=result.reservation, prompt_tokens=5, completion_tokens=20)
-            usage = await store.entitlement_usage(limits=ent)
-            assert usage.in_flight == 0
-            # 80 of the 105 reserved tokens came back exactly once.
-            assert before - 25 <= usage.tokens_available <= before - 25 + 5
-            assert await store.pool_running(pool=pool_name) == 0
-            served = await store.served_drain(entitlement=name)
-            assert (served.tokens, served.requests) == (25, 1)
-            assert (await store.served_drain(entitlement=name)).requests == 0
-        finally:
-            await store.close()
+    with_stores(redis_url, 1, body)
 
-    asyncio.run(scenario())
+
+def test_waiting_is_priority_ordered_across_stores(redis_url: str) -> None:
+    """Three processes: one holds the pool's only slot, one has a low-priority waiter that came first, one
+    a high-priority waiter; the holder's release starts the high-priority one, wherever it waits."""
+
+    async def body(holder: RedisStateStore, low: RedisStateStore, high: RedisStateStore) -> list[str]:
+        cheap = limits("cheap", service_class="spot", concurrency=1)
+        relaxed = limits("relaxed", service_class="elastic", concurrency=1, slo_target_ms=5000.0)
+        urgent = limits("urgent", service_class="elastic", concurrency=1, slo_target_ms=500.0)
+        p = pool("p", 1, cheap, relaxed, urgent)
+        held = await holder.offer(limits=cheap, pool=p, request=request())
+        first = await low.offer(limits=relaxed, pool=p, request=request())
+        second = await high.offer(limits=urgent, pool=p, request=request())
+        assert (held.state, first.state, second.state) == ("running", "waiting", "waiting")
+        assert held.reservation and first.reservation and second.reservation
+        order: list[str] = []
+        # As every gateway process does: hear the other processes' starts (pub/sub).
+        listeners = [asyncio.create_task(store.events_listen()) for store in (low, high)]
+        await asyncio.sleep(0.2)
+
+        async def waiter(store: RedisStateStore, name: str, reservation: Any) -> None:
+            if await store.wait(reservation=reservation, timeout_s=5.0):
+                order.append(name)
+                await asyncio.sleep(0.1)
+                await store.release(reservation=reservation, prompt_tokens=5, completion_tokens=1)
+
+        tasks = [asyncio.create_task(waiter(low, "relaxed", first.reservation)),
+                 asyncio.create_task(waiter(high, "urgent", second.reservation))]
+        await asyncio.sleep(0.1)
+        await holder.release(reservation=held.reservation, prompt_tokens=5, completion_tokens=1)
+        await asyncio.wait_for(asyncio.gather(*tasks), 4.0)  # well before the 30 s poll could wake anyone
+        for listener in listeners:
+            listener.cancel()
+        return order
+
+    # Notices arrive over pub/sub; the slow poll makes sure they, not polling, woke the waiters.
+    original = RedisStateStore.poll_s
+    RedisStateStore.poll_s = 30.0
+    try:
+        assert with_stores(redis_url, 3, body, config=AdmissionConfig(wait_timeout_s=5.0)) == ["urgent", "relaxed"]
+    finally:
+        RedisStateStore.poll_s = original
+
+
+def test_a_waiter_of_another_store_expires_and_holds_nothing(redis_url: str) -> None:
+    async def body(holder: RedisStateStore, other: RedisStateStore) -> tuple[bool, int]:
+        cheap = limits("cheap", service_class="spot", concurrency=1)
+        batch = limits("batch", service_class="elastic", concurrency=2, tokens_per_second=None)
+        p = pool("p", 1, cheap, batch)
+        held = await holder.offer(limits=cheap, pool=p, request=request())
+        waiting = await other.offer(limits=batch, pool=p, request=request())
+        assert held.state == "running" and waiting.reservation is not None
+        started = await other.wait(reservation=waiting.reservation, timeout_s=0.3)
+        return started, (await holder.entitlement_usage(limits=batch, pool="p")).in_flight
+
+    assert with_stores(redis_url, 2, body, config=AdmissionConfig(wait_timeout_s=0.3)) == (False, 0)
 
 
 def test_rejections_leave_no_reservation(redis_url: str) -> None:
-    name, pool_name = uuid.uuid4().hex, uuid.uuid4().hex
+    async def body(store: RedisStateStore) -> None:
+        ent = limits("e", tokens_per_second=0.001, token_bucket_seconds=10_000.0)  # a 10-token bucket
+        offer = await store.offer(limits=ent, pool=pool("p"), request=request(max_tokens=100))
+        assert offer.reservation is None and offer.state == "rejected"
+        assert offer.decision.reason == "rate_limit_exceeded"
+        assert not offer.decision.retryable
+        assert (await store.entitlement_usage(limits=ent, pool="p")).in_flight == 0
 
-    async def scenario() -> None:
-        store = RedisStateStore(url=redis_url)
-        try:
-            ent = limits(name, tokens_per_second=0.001, token_bucket_seconds=10_000.0)  # a 10-token bucket
-            result = await store.admit(limits=ent, pool=pool(pool_name), request=request(max_tokens=100))
-            assert result.reservation is None
-            assert result.decision.reason == "rate_limit_exceeded"
-            assert not result.decision.retryable
-            assert (await store.entitlement_usage(limits=ent)).in_flight == 0
-        finally:
-            await store.close()
-
-    asyncio.run(scenario())
+    with_stores(redis_url, 1, body)
 
 
 def test_unreachable_redis_raises_state_store_unavailable() -> None:
@@ -114,7 +182,7 @@ def test_unreachable_redis_raises_state_store_unavailable() -> None:
         store = RedisStateStore(url=f"redis://127.0.0.1:{free_port()}/0", socket_timeout_s=0.2)
         try:
             with pytest.raises(StateStoreUnavailable):
-                await store.admit(limits=limits("x"), pool=pool("p"), request=request())
+                await store.offer(limits=limits("x"), pool=pool("p"), request=request())
         finally:
             await store.close()
 
@@ -122,27 +190,22 @@ def test_unreachable_redis_raises_state_store_unavailable() -> None:
 
 
 def test_reservations_of_a_dead_process_are_reaped_once_their_lease_runs_out(redis_url: str) -> None:
-    import apps.gateway.redis_state as redis_state
-
-    name, pool_name, prefix = uuid.uuid4().hex, uuid.uuid4().hex, f"t{uuid.uuid4().hex}:"
+    prefix = f"t{uuid.uuid4().hex}:"
 
     async def scenario() -> tuple[int, int, int, int]:
-        dead, alive = RedisStateStore(url=redis_url, prefix=prefix), RedisStateStore(url=redis_url, prefix=prefix)
+        # The dead process's lease is already over when it admits; the live one renews its own.
+        dead = RedisStateStore(url=redis_url, prefix=prefix, lease_s=0.0)
+        alive = RedisStateStore(url=redis_url, prefix=prefix)
         try:
-            ent, p = limits(name), pool(pool_name)
-            kept = await alive.admit(limits=ent, pool=p, request=request())
-            original = redis_state.LEASE_S
-            redis_state.LEASE_S = 0.0  # the dead process's lease is already over
-            try:
-                lost = await dead.admit(limits=ent, pool=p, request=request())
-            finally:
-                redis_state.LEASE_S = original
+            ent, p = limits("e"), pool("p")
+            kept = await alive.offer(limits=ent, pool=p, request=request())
+            lost = await dead.offer(limits=ent, pool=p, request=request())
             assert kept.reservation is not None and lost.reservation is not None
-            before = (await alive.entitlement_usage(limits=ent)).in_flight
-            await alive.leases_renew(request_ids=[kept.reservation.request_id])
-            reaped = await alive.leases_reap()
-            after = (await alive.entitlement_usage(limits=ent)).in_flight
-            again = await alive.leases_reap()
+            before = (await alive.entitlement_usage(limits=ent, pool="p")).in_flight
+            await alive.leases_renew(pool="p", request_ids=[kept.reservation.request_id])
+            reaped = await alive.leases_reap(pool="p")
+            after = (await alive.entitlement_usage(limits=ent, pool="p")).in_flight
+            again = await alive.leases_reap(pool="p")
             return before, reaped, after, again
         finally:
             await dead.close()
@@ -151,68 +214,40 @@ def test_reservations_of_a_dead_process_are_reaped_once_their_lease_runs_out(red
     assert asyncio.run(scenario()) == (2, 1, 1, 0)
 
 
-def test_two_stores_share_one_token_bucket_exactly(redis_url: str) -> None:
-    name, pool_name = uuid.uuid4().hex, uuid.uuid4().hex
-
-    async def scenario() -> list[str]:
-        first, second = RedisStateStore(url=redis_url), RedisStateStore(url=redis_url)
-        try:
-            # A 100-token bucket refilling at 0.001 token/s; each request costs 5 + 25 = 30.
-            ent = limits(name, concurrency=50, tokens_per_second=0.001, token_bucket_seconds=100_000.0)
-            results = await asyncio.gather(*(
-                (first if i % 2 else second).admit(limits=ent, pool=pool(pool_name), request=request(max_tokens=25))
-                for i in range(10)
-            ))
-            return sorted(r.decision.reason for r in results)
-        finally:
-            await first.close()
-            await second.close()
-
-    reasons = asyncio.run(scenario())
-    assert reasons.count("admitted") == 3
-    assert reasons.count("rate_limit_exceeded") == 7
-
-
-def test_admission_takes_the_budget_slot_in_the_same_script_and_release_gives_it_back(redis_url: str) -> None:
-    """`slot=` makes the COMMIT also take one of the pool's budget slots; RELEASE (and the reaper) free it."""
-    import apps.gateway.redis_state as redis_state
-    from apps.gateway.state import SlotRequest
-
-    name, pool_name, prefix = uuid.uuid4().hex, uuid.uuid4().hex, f"t{uuid.uuid4().hex}:"
+def test_an_offer_takes_the_budget_slot_in_the_same_script_and_release_gives_it_back(redis_url: str) -> None:
+    """`slot=` makes COMMIT also take one of the pool's budget slots; RELEASE (and the reaper) free it."""
+    prefix = f"t{uuid.uuid4().hex}:"
 
     async def scenario() -> None:
         store = RedisStateStore(url=redis_url, prefix=prefix)
-        slots_key = store._slot_keys(pool_name)[0]
+        dying = RedisStateStore(url=redis_url, prefix=prefix, lease_s=0.0)
+        slots_key = store._slot_keys("p")[0]
         try:
-            ent, p = limits(name, concurrency=10), pool(pool_name)
-            await store.pool_budgets_set(budgets={pool_name: 1})
-            first = await store.admit(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
+            ent, p = limits("e", concurrency=10), pool("p")
+            await store.pool_budgets_set(budgets={"p": 1})
+            first = await store.offer(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
             assert first.reservation is not None and first.slot_taken
             assert await store.redis.zscore(slots_key, first.reservation.request_id) is not None
             # Budget 1 is held: the next request is admitted (its reservation stands) without a slot.
-            second = await store.admit(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
+            second = await store.offer(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
             assert second.reservation is not None and not second.slot_taken
             assert await store.redis.zcard(slots_key) == 1
             # Without `slot=` no slot is asked for at all.
-            third = await store.admit(limits=ent, pool=p, request=request())
+            third = await store.offer(limits=ent, pool=p, request=request())
             assert third.reservation is not None and not third.slot_taken
 
             await store.release(reservation=first.reservation, prompt_tokens=5, completion_tokens=1)
             assert await store.redis.zcard(slots_key) == 0
-            await store.pool_budgets_set(budgets={pool_name: 5})
-            original = redis_state.LEASE_S
-            redis_state.LEASE_S = 0.0  # a process that dies holding a slot: the reaper frees both
-            try:
-                lost = await store.admit(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
-            finally:
-                redis_state.LEASE_S = original
+            await store.pool_budgets_set(budgets={"p": 5})
+            lost = await dying.offer(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
             assert lost.reservation is not None and lost.slot_taken
-            assert await store.leases_reap() == 1
+            assert await store.leases_reap(pool="p") == 1
             assert await store.redis.zscore(slots_key, lost.reservation.request_id) is None
-            for result in (second, third):
-                assert result.reservation is not None
-                await store.release(reservation=result.reservation, prompt_tokens=5, completion_tokens=1)
+            for offer in (second, third):
+                assert offer.reservation is not None
+                await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=1)
         finally:
             await store.close()
+            await dying.close()
 
     asyncio.run(scenario())

@@ -201,7 +201,7 @@ def test_a_release_in_one_process_lets_a_waiter_in_the_other_through(redis_url: 
         await first.release_request("holder")
         await asyncio.wait_for(waiting, 2.0)
         latency = time.monotonic() - released
-        held = await first.store.redis.zrange(f"{prefix}pool:p:slots", 0, -1)
+        held = await first.store.redis.zrange(first.store._slot_keys("p")[0], 0, -1)  # type: ignore[attr-defined]
         await second.release_request("waiter")
         await _close(first, second)
         return blocked, latency, len(held) if held != ["waiter"] else -1
@@ -324,7 +324,7 @@ def test_free_slot_costs_one_call_and_a_waiter_that_leaves_holds_nothing(redis_u
         await asyncio.gather(waiting, return_exceptions=True)
         left = (second.in_flight, second.queued, len(second.held))
         await first.release_request("h")
-        slots = await first.store.redis.zrange(f"{prefix}pool:p:slots", 0, -1)
+        slots = await first.store.redis.zrange(first.store._slot_keys("p")[0], 0, -1)  # type: ignore[attr-defined]
         await _close(first, second)
         return calls, left, slots
 

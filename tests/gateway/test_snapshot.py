@@ -69,7 +69,7 @@ def test_revoked_key_and_changed_entitlement_take_effect_on_a_running_gateway(
     admin: Any, acme: Any, upstream_factory: Any
 ) -> None:
     from apps.gateway.app import Gateway
-    from apps.gateway.state import MemoryStateStore
+    from apps.gateway.memory_state import MemoryStateStore
     from tests.gateway.servers import ServerThread
 
     upstream, _ = upstream_factory()

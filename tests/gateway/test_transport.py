@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from apps.gateway.app import ShardedTransport
+from apps.gateway.upstream import ShardedTransport
 
 
 class _Recorder(httpx.AsyncBaseTransport):

@@ -1,6 +1,7 @@
 """The beat-driven path end to end: a real Celery worker with embedded beat, real Redis as broker and
-shared state, a file SQLite database. The test plays the gateway: it writes served and refused
-tokens and TTFT observations into the shared state, and watches the ticks move debt and budget.
+shared state, a file SQLite database. The test plays the gateway: it offers requests to the pool's
+admission state machine in Redis (refused ones, then served ones) and writes TTFT observations into the
+shared state, and watches the ticks move debt and budget.
 
 Waits poll the shared state until a condition holds (with a generous deadline for a loaded machine);
 nothing asserts on durations.
@@ -21,10 +22,10 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
+from apps.gateway.control import RedisControlState
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
 from apps.policy import AdmissionRequest, EntitlementLimits
-from workers.dynamics import RedisControlState
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -49,7 +50,9 @@ assert ent.state == "Bound", ent.state
 # What the ticks build from the database for this entitlement (apps.pools -> EntitlementLimits).
 LIMITS = EntitlementLimits(entitlement_id="elastic-a", service_class="elastic", tokens_per_second=100.0,
                            kv_bytes=float(1024**3 // 4), concurrency=4, slo_target_ms=1000.0)
-POOL = PoolInfo("tiny", "tiny", ("http://127.0.0.1:9",), 16, float(1024**3), 16, 4096)
+POOL = PoolInfo("tiny", "tiny", ("http://127.0.0.1:9",), 16, float(1024**3), 16, 4096, entitlements=(LIMITS,))
+# The same pool with every replica gone: requests wait, then expire at the acquire timeout (unmet demand).
+EMPTY = PoolInfo("tiny", "tiny", (), 0, float(1024**3), 16, 4096, entitlements=(LIMITS,))
 
 
 @pytest.fixture
@@ -121,17 +124,24 @@ def test_beat_moves_debt_and_aimd_budget_through_redis(worker: dict[str, Any]) -
     shared = redis.Redis.from_url(worker["url"], decode_responses=True)
 
     def debt() -> float:
-        return float(shared.hget("tp:gw:ent:elastic-a", "debt") or 0.0)
+        return float(shared.hget("tp:gw:{tiny}:ent:elastic-a", "debt") or 0.0)
 
-    def refuse() -> None:  # the gateway refusing 50 tokens for lack of capacity
-        loop.run_until_complete(store.record_rejection(entitlement="elastic-a", token_cost=50))
+    def refuse() -> None:  # the gateway turning 50 tokens away for lack of capacity (a waiter that expires)
+        async def once() -> None:
+            offer = await store.offer(limits=LIMITS, pool=EMPTY,
+                                      request=AdmissionRequest(f"req-{next(ids)}", input_tokens=5, max_tokens=45))
+            # It waits, or (once its concurrency is all waiting) it is refused: unmet demand either way.
+            assert offer.state == "waiting" or offer.decision.reason == "concurrency_limit_exceeded", offer.decision
+            await store.expire(pool="tiny")
+
+        loop.run_until_complete(once())
 
     def serve() -> None:  # the gateway serving a 10-token request in full
         async def once() -> None:
-            result = await store.admit(limits=LIMITS, pool=POOL,
-                                       request=AdmissionRequest(f"req-{next(ids)}", input_tokens=5, max_tokens=5))
-            assert result.reservation is not None, result.decision
-            await store.release(reservation=result.reservation, prompt_tokens=5, completion_tokens=5)
+            offer = await store.offer(limits=LIMITS, pool=POOL,
+                                      request=AdmissionRequest(f"req-{next(ids)}", input_tokens=5, max_tokens=5))
+            assert offer.reservation is not None and offer.state == "running", offer.decision
+            await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=5)
 
         loop.run_until_complete(once())
 
@@ -140,7 +150,7 @@ def test_beat_moves_debt_and_aimd_budget_through_redis(worker: dict[str, Any]) -
         rising = _wait_until(debt, lambda d: d > 0.5, worker, "debt rising above 0.5", act=refuse)
         peak = rising[-1]
         assert rising[0] < peak
-        assert shared.hget("tp:gw:ent:elastic-a", "burst") is not None
+        assert shared.hget("tp:gw:{tiny}:ent:elastic-a", "burst") is not None
 
         # 2. Recovered: everything it asks for is served, so each tick shrinks the debt (gap <= 0).
         decaying = _wait_until(debt, lambda d: d < 0.1, worker, "debt decaying below 0.1", act=serve)

@@ -1,8 +1,7 @@
-"""The tick services, the Celery wiring and the runners around them."""
+"""The worker-side tick services, the Celery wiring and the runners around them."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -14,13 +13,12 @@ from django.core.management import call_command
 from django.utils import timezone
 
 import workers.ticks as ticks_module
-from apps.gateway.state import MemoryStateStore
-from apps.policy import EntitlementLimits, InstanceSnapshot
+from apps.gateway import loops
+from apps.gateway.control import MemoryControlState
+from apps.policy import InstanceSnapshot
 from apps.pools.models import EntitlementState, TokenEntitlement, TokenPool
 from apps.tenancy.models import Tenant
 from tests.pools.factories import make_entitlement, make_pool
-from workers import services
-from workers.dynamics import AimdRecord, MemoryControlState
 from workers.tasks import run_tick_task
 from workers.ticks import Outcome, TickSpec, run_tick, start_in_process_ticker, stop_in_process_ticker
 
@@ -47,36 +45,9 @@ def mark_tick() -> None:
 def memory_control(settings: Any) -> Iterator[MemoryControlState]:
     settings.REDIS_URL = ""
     state = MemoryControlState()
-    services.reset_control_state(state)
+    loops.reset_control_state(state)
     yield state
-    services.reset_control_state(None)
-
-
-@pytest.fixture
-def gateway_loop(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryStateStore]:
-    """The embedded server: a running event loop holding the gateway's in-process state store."""
-    import apps.gateway.asgi as gateway_asgi
-
-    settings.GATEWAY_STATE_BACKEND = "memory"
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    store = MemoryStateStore()
-
-    class FakeGateway:  # only the store is read by the ticks
-        pass
-
-    gateway = FakeGateway()
-    gateway.store = store  # type: ignore[attr-defined]
-    monkeypatch.setattr(gateway_asgi, "_gateway", gateway)
-    services.bind_gateway_loop(loop)
-    try:
-        yield store
-    finally:
-        monkeypatch.setattr(services, "_gateway_loop", None)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
+    loops.reset_control_state(None)
 
 
 def test_beat_schedule_is_built_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,62 +92,12 @@ def test_the_task_skips_while_another_worker_holds_the_tick(admin: Any, acme: An
 
 
 @pytest.mark.django_db
-def test_ewma_tick_reaches_the_in_process_gateway_store(admin: Any, acme: Any, memory_control: Any,
-                                                        gateway_loop: MemoryStateStore) -> None:
-    pool = make_pool(admin, name="tiny")
-    make_entitlement(admin, acme, pool, "el", "elastic", tokens_per_second=100)
-    make_entitlement(admin, acme, pool, "gone", "elastic", tokens_per_second=100,
-                     expires_at=timezone.now() - timedelta(seconds=1))
-    loop = services._gateway_loop
-    assert loop is not None
-    asyncio.run_coroutine_threadsafe(
-        gateway_loop.record_rejection(entitlement="el", token_cost=100), loop).result(30)
-
-    result = services.tick_ewma()
-
-    assert result is not None and set(result.dynamics) == {"el"}  # the expired one is not ticked
-    assert result.dynamics["el"].debt > 0
-    limits = EntitlementLimits(entitlement_id="el", service_class="elastic", tokens_per_second=100.0)
-    usage = asyncio.run_coroutine_threadsafe(gateway_loop.entitlement_usage(limits=limits), loop).result(30)
-    assert usage.debt == pytest.approx(result.dynamics["el"].debt)
-    assert memory_control.pool_demand()["tiny"] > 0
-
-
-@pytest.mark.django_db
-def test_ewma_tick_waits_for_the_gateway_to_start(admin: Any, acme: Any, memory_control: Any, settings: Any,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import apps.gateway.asgi as gateway_asgi
-
-    settings.GATEWAY_STATE_BACKEND = "memory"
-    monkeypatch.setattr(services, "_gateway_loop", None)
-    monkeypatch.setattr(gateway_asgi, "_gateway", None)
-    make_entitlement(admin, acme, make_pool(admin), "el", "elastic")
-    assert services.tick_ewma() is None
-    assert run_tick("ewma") is Outcome.RAN  # not a failure: there is nothing to tick yet
-
-
-@pytest.mark.django_db
-def test_aimd_tick_bounds_the_budget_by_pool_capacity(admin: Any, memory_control: MemoryControlState,
-                                                      settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings.GATEWAY_STATE_BACKEND = "memory"
-    monkeypatch.setattr(services, "_gateway_loop", None)
-    make_pool(admin, name="two", replicas=[{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:10"},
-                                           {"url": "http://127.0.0.1:11", "enabled": False}])
-    for _ in range(20):
-        memory_control.ttft_observe("two", 10.0)
-    records = services.tick_aimd()
-    # 2 enabled replicas x 16 slots = 32, halved on a p99 far above the 2 s target.
-    assert records["two"] == memory_control.aimd_load("two")
-    assert (records["two"].max_cap, records["two"].cap, records["two"].last_action) == (32, 16, "decrease")
-
-
-@pytest.mark.django_db
 def test_autoscale_tick_uses_the_observed_token_demand(admin: Any, memory_control: MemoryControlState) -> None:
     pool = make_pool(admin, name="tiny")  # 240 tok/s per replica, max 10 replicas
     memory_control.pool_demand_set({"tiny": 1000.0})
     assert run_tick("autoscale") is Outcome.RAN
     assert TokenPool.objects.get(pk=pool.pk).desired_replicas == 5
-    assert services.desired_replicas_gauge() == {("tiny",): 5.0}
+    assert loops.desired_replicas_gauge() == {("tiny",): 5.0}
 
 
 @pytest.mark.django_db
@@ -238,50 +159,3 @@ def test_in_process_ticker_only_without_a_broker(settings: Any, monkeypatch: pyt
         assert _marks == ["ran"]
     finally:
         stop_in_process_ticker()
-
-
-def test_aimd_record_defaults() -> None:
-    record = AimdRecord(cap=4)
-    assert (record.cooldown_left, record.p99_s, record.ticks) == (0, None, 0)
-
-
-@pytest.mark.django_db
-@pytest.mark.redis
-def test_aimd_tick_publishes_the_shared_budget_every_gateway_process_enforces(
-    admin: Any, settings: Any, redis_url: str
-) -> None:
-    import uuid
-
-    from apps.gateway.redis_state import RedisStateStore
-    from apps.policy import ttft_histogram_bounds
-    from workers.dynamics import RedisControlState
-
-    settings.REDIS_URL = redis_url
-    settings.GATEWAY_STATE_BACKEND = "redis"
-    name = f"shared-{uuid.uuid4().hex[:8]}"
-    make_pool(admin, name=name, replicas=[{"url": "http://127.0.0.1:9"}])  # 16 slots
-    state = RedisControlState(url=redis_url, bounds=ttft_histogram_bounds(2.0))
-    state.PREFIX = f"tokenpools:test:{uuid.uuid4().hex}:"
-    services.reset_control_state(state)
-    try:
-        # Two gateway processes flush their counts (over their own, identical, buckets) into one window.
-        for _ in range(2):
-            counts = [0] * (len(state.bounds) + 1)
-            counts[state.bucket(10.0)] = 6
-            state.ttft_add(name, counts, ttft_histogram_bounds(2.0))
-        records = services.tick_aimd()
-
-        async def published() -> int | None:
-            store = RedisStateStore(url=redis_url)
-            try:
-                return await store.pool_budget(pool=name)
-            finally:
-                await store.redis.delete(f"tp:gw:pool:{name}:budget")
-                await store.close()
-
-        assert (records[name].samples, records[name].cap, records[name].last_action) == (12, 8, "decrease")
-        assert asyncio.run(published()) == 8
-    finally:
-        services.reset_control_state(None)
-        for key in state.redis.scan_iter(state.PREFIX + "*"):
-            state.redis.delete(key)

@@ -45,12 +45,12 @@ def test_unknown_tick_and_bad_period_are_refused(monkeypatch: pytest.MonkeyPatch
 
 
 def test_ticks_mode_follows_the_broker(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOKENPOOLS_TICKS", raising=False)
+    settings.TOKENPOOLS_TICKS = ""
     settings.CELERY_BROKER_URL = "memory://"
     assert ticks_mode() == "in-process"
     settings.CELERY_BROKER_URL = "redis://127.0.0.1:6379/0"
     assert ticks_mode() == "celery"
-    monkeypatch.setenv("TOKENPOOLS_TICKS", "off")
+    settings.TOKENPOOLS_TICKS = "off"
     assert ticks_mode() == "off"
 
 
@@ -176,31 +176,3 @@ def test_run_forever_stops_on_request() -> None:
     assert done.wait(30)
     ticker.stop()
     assert not thread.is_alive()
-
-
-def test_lifespan_wrapper_starts_and_stops_the_ticker(monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncio
-
-    import workers.ticks as ticks_module
-
-    events: list[str] = []
-    monkeypatch.setattr(ticks_module, "start_in_process_ticker", lambda: events.append("start"))
-    monkeypatch.setattr(ticks_module, "stop_in_process_ticker", lambda: events.append("stop"))
-
-    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        events.append(scope["type"])
-
-    app = ticks_module.with_in_process_ticks(inner)
-    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return incoming.pop(0)
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    asyncio.run(app({"type": "lifespan"}, receive, send))
-    asyncio.run(app({"type": "http"}, receive, send))
-    assert events == ["start", "stop", "http"]
-    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

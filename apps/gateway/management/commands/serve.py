@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from django.core.management.base import BaseCommand, CommandError
 
 
@@ -24,7 +26,12 @@ class Command(BaseCommand):
         if options["workers"] > 1 and not settings.REDIS_URL:
             # Limits live in each process's memory without Redis: several processes would each enforce them.
             raise CommandError("--workers above 1 needs REDIS_URL so that every process enforces one set of limits")
+        from apps.gateway.config import GatewayConfig
+
+        drain_s = GatewayConfig.from_settings().drain_timeout_s
         self.stdout.write(f"tokenpools serving on http://{options['host']}:{port}/")
+        # On SIGTERM uvicorn stops accepting, lets in-flight requests finish for `drain_s`, cancels the rest,
+        # then runs the lifespan shutdown (tokenpools_site.lifespan): releases, usage flush, store closed.
         uvicorn.run(
             "tokenpools_site.asgi:application",
             host=options["host"],
@@ -32,4 +39,5 @@ class Command(BaseCommand):
             workers=options["workers"],
             log_level=options["log_level"],
             lifespan="on",
+            timeout_graceful_shutdown=max(1, math.ceil(drain_s)),
         )

@@ -1,8 +1,9 @@
-"""Validation of `/v1/*` request bodies: everything the gateway relies on, checked before admission.
+"""The parse step: read the body, and validate everything the gateway relies on before admission.
 
 Anything the gateway does not interpret passes through to the backend untouched; what it does
-interpret (model, max_tokens, stream, stream_options, n, messages/prompt) must be well-formed, so a
-malformed body is a 400 here and never reaches the state store.
+interpret (model, max_tokens, stream, stream_options, n, messages/prompt, and the llm-d headers) must be
+well-formed, so a malformed request is a 400 here and never reaches the state store. Text that cannot be
+encoded (a lone surrogate escaped as `\\ud800`) is malformed too: it could not be counted nor sent.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from apps.gateway.errors import invalid_request
+from apps.gateway.context import ClientGone, RequestContext
+from apps.gateway.errors import body_too_large, invalid_request
+from apps.policy import EntitlementLimits, PolicyConfigError, effective_slo_tier
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -27,6 +30,29 @@ class ParsedRequest:
     client_wants_usage: bool
 
 
+async def read_body(ctx: RequestContext, limit: int) -> bytes:
+    declared = ctx.header(b"content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise body_too_large(limit)
+        except ValueError:
+            raise invalid_request("Invalid Content-Length header.") from None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await ctx.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)
@@ -34,7 +60,27 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise invalid_request("We could not parse the JSON body of your request.") from None
     if not isinstance(payload, dict):
         raise invalid_request("The request body must be a JSON object.")
+    # JSON may escape a lone UTF-16 surrogate (\\ud800), which no UTF-8 text can hold: the gateway could
+    # neither count it nor forward it. Only bodies that contain such an escape pay for the check.
+    if b"\\u" in body and (b"\\ud" in body.lower()):
+        _check_encodable(payload, "body")
     return payload
+
+
+def _check_encodable(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid_request(f"{where} contains text that is not valid Unicode (a lone surrogate).",
+                                  param=where.split("[")[0].split(".")[0] if where != "body" else None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key, where)
+            _check_encodable(item, str(key) if where == "body" else f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_encodable(item, f"{where}[{index}]")
 
 
 def _is_int(value: Any) -> bool:
@@ -121,3 +167,25 @@ def upstream_body(parsed: ParsedRequest, *, model: str, max_tokens: int) -> byte
         options["include_usage"] = True
         body["stream_options"] = options
     return json.dumps(body).encode()
+
+
+def slo_hints(ctx: RequestContext, limits: EntitlementLimits) -> tuple[float | None, str | None]:
+    """The llm-d headers a client may set for itself: a TTFT target (`x-llm-d-slo-ttft-ms`, ignored when
+    not a positive number) and an objective tier (`x-llm-d-inference-objective`, a 400 when unknown;
+    never above what the entitlement's class allows, see `apps.policy.effective_slo_tier`)."""
+    slo_ms: float | None = None
+    raw = ctx.header(b"x-llm-d-slo-ttft-ms")
+    if raw is not None:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = 0.0
+        slo_ms = value if 0 < value < 1e9 else None
+    tier = ctx.header(b"x-llm-d-inference-objective")
+    if tier is None or not tier.strip():
+        return slo_ms, None
+    try:
+        effective_slo_tier(limits.service_class, limits.slo_tier, tier.strip())
+    except (PolicyConfigError, ValueError):
+        raise invalid_request(f"Unknown x-llm-d-inference-objective {tier!r}.") from None
+    return slo_ms, tier.strip()

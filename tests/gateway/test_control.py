@@ -1,105 +1,26 @@
-"""The EWMA tick against the gateway's real state stores, and the shared AIMD tick on both control states."""
+"""The control loops' state (in memory and in Redis) and the AIMD tick of the pools' dispatch budgets.
+(The debt/burst tick is the admission state machine's own: tests/conformance.)"""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
-from apps.gateway.redis_state import RedisStateStore
-from apps.gateway.snapshot import PoolInfo
-from apps.gateway.state import MemoryStateStore
-from apps.policy import AdmissionRequest, Dynamics, EntitlementLimits, InstanceSnapshot, ttft_histogram_bounds
-from workers.dynamics import (
+from apps.gateway.control import (
     AimdParams,
     AimdRecord,
     ControlState,
-    EntitlementFigures,
     MemoryControlState,
     RedisControlState,
     aimd_tick,
     aimd_tick_shared,
-    dynamics_step,
-    ewma_tick,
 )
-
-ELASTIC = EntitlementLimits(entitlement_id="ent-elastic", service_class="elastic", tokens_per_second=100.0,
-                            kv_bytes=1e9, concurrency=4)
-SPOT = EntitlementLimits(entitlement_id="ent-spot", service_class="spot", tokens_per_second=100.0,
-                         kv_bytes=1e9, concurrency=4)
-POOL = PoolInfo("tiny", "tiny", ("http://127.0.0.1:1",), 16, 1e12, 1, 4096)
-_ids = itertools.count()
-
-
-def test_dynamics_step_exact_numbers() -> None:
-    # Underserved: wanted 100 tok/s (baseline 100), got 20 -> gap 0.8, debt 0.3 * 0.8 (gamma_d 0.7).
-    figures = EntitlementFigures(served_tokens=40, demand_tokens=200, in_flight=2, rejected=3)
-    step = dynamics_step(Dynamics(), ELASTIC, figures, elapsed_s=2.0)
-    assert step.debt == pytest.approx(0.24)
-    assert step.burst == 0.0
-    # Bursting to 300 tok/s on a 100 baseline: gap -2 (credit), burst delta 2 on throughput only.
-    over = dynamics_step(Dynamics(debt=0.5), ELASTIC, EntitlementFigures(served_tokens=300, demand_tokens=300),
-                         elapsed_s=1.0)
-    assert over.debt == pytest.approx(0.7 * 0.5 + 0.3 * -2.0)
-    assert over.burst == pytest.approx(0.3 * 2.0)
-    # Spot never accrues debt.
-    assert dynamics_step(Dynamics(), SPOT, figures, elapsed_s=2.0).debt == 0.0
-    with pytest.raises(ValueError):
-        dynamics_step(Dynamics(), ELASTIC, figures, elapsed_s=0.0)
-
-
-async def _serve(store: object, limits: EntitlementLimits, tokens: int) -> None:
-    result = await store.admit(limits=limits, pool=POOL,  # type: ignore[attr-defined]
-                               request=AdmissionRequest(f"r{next(_ids)}", input_tokens=10, max_tokens=tokens - 10))
-    assert result.reservation is not None, result.decision
-    await store.release(reservation=result.reservation, prompt_tokens=10,  # type: ignore[attr-defined]
-                        completion_tokens=tokens - 10)
-
-
-async def _debt_trajectory(store: object) -> list[float]:
-    """Three underserved ticks (100 tok/s wanted, 20 served), then three recovered ones (all served)."""
-    debts: list[float] = []
-    for underserved in (True, True, True, False, False, False):
-        await _serve(store, ELASTIC, 20)
-        if underserved:
-            await store.record_rejection(entitlement=ELASTIC.entitlement_id, token_cost=80)  # type: ignore[attr-defined]
-        else:
-            await _serve(store, ELASTIC, 80)
-        result = await ewma_tick(store=store, entitlements=[(ELASTIC, "tiny")], elapsed_s=1.0)
-        usage = await store.entitlement_usage(limits=ELASTIC)  # type: ignore[attr-defined]
-        assert usage.debt == pytest.approx(result.dynamics[ELASTIC.entitlement_id].debt)
-        assert result.pool_demand_tps == {"tiny": pytest.approx(100.0)}
-        debts.append(usage.debt)
-    return debts
-
-
-def _check_rise_and_decay(debts: list[float]) -> None:
-    expected, debt = [], 0.0
-    for gap in (0.8, 0.8, 0.8, 0.0, 0.0, 0.0):
-        debt = 0.7 * debt + 0.3 * gap
-        expected.append(debt)
-    assert debts == pytest.approx(expected)
-    assert debts[0] < debts[1] < debts[2] and debts[2] > debts[3] > debts[4] > debts[5] > 0
-
-
-def test_ewma_tick_on_the_memory_store() -> None:
-    _check_rise_and_decay(asyncio.run(_debt_trajectory(MemoryStateStore())))
-
-
-@pytest.mark.redis
-def test_ewma_tick_on_the_redis_store(redis_url: str) -> None:
-    async def run() -> list[float]:
-        store = RedisStateStore(url=redis_url)
-        try:
-            await store.redis.delete(f"tp:gw:ent:{ELASTIC.entitlement_id}")
-            return await _debt_trajectory(store)
-        finally:
-            await store.close()
-
-    _check_rise_and_decay(asyncio.run(run()))
+from apps.gateway.memory_state import MemoryStateStore
+from apps.gateway.redis_state import RedisStateStore
+from apps.policy import InstanceSnapshot, ttft_histogram_bounds
 
 
 @pytest.fixture(params=["memory", "redis"])

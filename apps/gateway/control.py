@@ -1,10 +1,4 @@
-"""The two control loops of the policy, as services the ticks call.
-
-EWMA tick (seed 000, section 3.3): for every active entitlement, the served and refused token
-counters the gateway's state store accumulated since the last tick give the served and demanded
-rates; with the in-flight slots and KV bytes they feed `apps.policy.update_dynamics` (debt (2) and
-burst (3)), and the new debt and burst are written back to the same store, so every gateway
-process prices its next admission with them at once.
+"""The control loops' own state, and the AIMD tick of the pools' dispatch budgets.
 
 AIMD tick (seed 002): every 5 s, the p99 of the gateway's TTFT over the last 30 s moves each
 pool's budget: +1 below target x 0.8 when there is demand, multiplicative decrease above
@@ -15,6 +9,10 @@ per pool (`aimd_tick_shared`): gateway processes add their TTFT counts to the sh
 batched once a second), the tick publishes each new budget in the gateway's state store, and every
 gateway process's dispatch takes one of that many slots there (`RedisStateStore.slot_acquire`). The
 embedded server without Redis keeps one controller in its own process (`apps.gateway.scheduler`).
+
+The control state also carries what the other ticks publish for readers that must not touch the ORM
+(observed demand, desired replicas, the replicas' scraped saturation inputs). The debt/burst tick keeps
+no state here: its window lives in the admission state machine itself (`GatewayStateStore.tick`).
 """
 
 from __future__ import annotations
@@ -26,105 +24,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from apps.policy import (
-    AimdController,
-    Dynamics,
-    DynamicsConfig,
-    EntitlementLimits,
-    InstanceSnapshot,
-    ResourceVector,
-    rebucket,
-    ttft_histogram_bounds,
-    update_dynamics,
-)
+from apps.policy import AimdController, InstanceSnapshot, rebucket, ttft_histogram_bounds
 from apps.policy.aimd import histogram_quantile
-
-# --- EWMA tick ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EntitlementFigures:
-    """What one entitlement got and wanted over one tick interval."""
-
-    served_tokens: float = 0.0
-    # Served plus refused for lack of capacity (the gateway counts a rejection's token cost).
-    demand_tokens: float = 0.0
-    in_flight: int = 0
-    kv_bytes_in_flight: float = 0.0
-    rejected: int = 0
-
-
-def dynamics_step(
-    previous: Dynamics,
-    limits: EntitlementLimits,
-    figures: EntitlementFigures,
-    elapsed_s: float,
-    config: DynamicsConfig | None = None,
-) -> Dynamics:
-    """One EWMA step from the figures of an interval of `elapsed_s` seconds.
-
-    Throughput is the tokens served per second; concurrency and KV are what is in flight at the
-    tick (the store keeps no time integral of them). Demand is never below what was served.
-    """
-    if not elapsed_s > 0:
-        raise ValueError(f"elapsed_s must be positive, got {elapsed_s!r}")
-    served_tps = max(0.0, figures.served_tokens) / elapsed_s
-    demand_tps = max(figures.demand_tokens, figures.served_tokens, 0.0) / elapsed_s
-    in_flight = max(0, figures.in_flight)
-    kv = max(0.0, figures.kv_bytes_in_flight)
-    served = ResourceVector(tokens_per_second=served_tps, kv_bytes=kv, concurrency=in_flight)
-    # A refused request wanted (at least) one more slot.
-    demand = ResourceVector(tokens_per_second=demand_tps, kv_bytes=kv, concurrency=in_flight + max(0, figures.rejected))
-    baseline = ResourceVector(
-        tokens_per_second=limits.tokens_per_second or 0.0,
-        kv_bytes=limits.kv_bytes or 0.0,
-        concurrency=limits.concurrency or 0,
-    )
-    return update_dynamics(previous, limits.service_class, baseline, demand, served, config)
-
-
-@dataclass(frozen=True, slots=True)
-class EwmaResult:
-    dynamics: Mapping[str, Dynamics]
-    # Token demand per pool (tokens/s) over the interval: the autoscaling tick's observed throughput.
-    pool_demand_tps: Mapping[str, float]
-
-
-async def ewma_tick(
-    *,
-    store: Any,
-    entitlements: Iterable[tuple[EntitlementLimits, str]],
-    elapsed_s: float,
-    config: DynamicsConfig | None = None,
-) -> EwmaResult:
-    """Drain every entitlement's counters from the gateway state store, step its EWMAs, write them back.
-
-    `store` is an `apps.gateway.state.GatewayStateStore` (memory or Redis); `entitlements` are
-    `(limits, pool name)` pairs.
-    """
-    updated: dict[str, Dynamics] = {}
-    demand: dict[str, float] = {}
-    for limits, pool in entitlements:
-        name = limits.entitlement_id
-        usage = await store.entitlement_usage(limits=limits)
-        counters = await store.served_drain(entitlement=name)
-        figures = EntitlementFigures(
-            served_tokens=counters.tokens,
-            demand_tokens=counters.demand_tokens,
-            in_flight=usage.in_flight,
-            kv_bytes_in_flight=usage.kv_bytes_in_flight,
-            rejected=counters.rejected,
-        )
-        new = dynamics_step(Dynamics(debt=usage.debt, burst=usage.burst), limits, figures, elapsed_s, config)
-        await store.dynamics_set(entitlement=name, debt=new.debt, burst=new.burst)
-        updated[name] = new
-        demand[pool] = demand.get(pool, 0.0) + max(figures.demand_tokens, figures.served_tokens) / elapsed_s
-    return EwmaResult(updated, demand)
-
 
 # --- shared control state -------------------------------------------------------------------------
 

@@ -1,0 +1,91 @@
+"""The account step: give the request's hold back and record what it used.
+
+Runs once per admitted request, just before the last byte goes to the client (clients send their next
+request as soon as they see the end) or on the way out after an error, a disconnect or a preemption:
+the dispatch slot goes back, the state machine completes the request (refunding what it did not use) or
+cancels it if it was still waiting, and the tokens it used go to the metrics and the usage records.
+
+A release the store could not take (Redis away) is not dropped: it is kept and tried again every second
+until the store takes it (`retry_pending`), so nothing stays held once the store is back; releases are
+idempotent in the store, so a retry of one that did land changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from apps.gateway.admission import Admission, InFlight
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.state import GatewayStateStore, Reservation, StateStoreUnavailable
+from apps.gateway.usage import UsageAccumulator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingRelease:
+    reservation: Reservation
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+class Accountant:
+    def __init__(self, *, store: GatewayStateStore, metrics: GatewayMetrics, usage: UsageAccumulator,
+                 in_flight: InFlight) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.usage = usage
+        self.in_flight = in_flight
+        self.pending: list[PendingRelease] = []
+
+    async def finish(self, admission: Admission) -> None:
+        """Release everything the request holds and account for it (call once)."""
+        ctx, reservation, scheduler = admission.ctx, admission.reservation, admission.scheduler
+        self.in_flight.remove(admission.pool.name, ctx.request_id)
+        if admission.dispatched:
+            admission.dispatched = False
+            # A reservation in a shared store gives its slot of the pool budget back in its own release.
+            await scheduler.release_request(ctx.request_id, store_releases_slot=reservation.accounted)
+        prompt, completion = ctx.served.counts(reservation.input_tokens)
+        if ctx.proxied:
+            await self.release(reservation, prompt, completion)
+        else:
+            # Nothing reached a backend (expired, cancelled, no dispatch slot): the whole charge comes back.
+            await self.release(reservation, 0, 0)
+        scheduler.slot_freed()
+        entitlement = admission.entry.entitlement
+        self.metrics.tokens.inc((entitlement, "prompt"), prompt)
+        self.metrics.tokens.inc((entitlement, "completion"), completion)
+        self.metrics.duration.observe((admission.pool.name,), time.perf_counter() - ctx.started)
+        if ctx.proxied:
+            self.usage.add(tenant_id=admission.entry.tenant_id, entitlement=entitlement, prompt_tokens=prompt,
+                           completion_tokens=completion)
+
+    async def release(self, reservation: Reservation, prompt_tokens: int | None,
+                      completion_tokens: int | None) -> None:
+        if not reservation.accounted:
+            return
+        try:
+            # Shielded: a cancellation (shutdown, client gone) must not leave the reservation held.
+            await asyncio.shield(self.store.release(reservation=reservation, prompt_tokens=prompt_tokens,
+                                                    completion_tokens=completion_tokens))
+        except StateStoreUnavailable:
+            logger.warning("release of %s deferred: state store unreachable", reservation.request_id)
+            self.pending.append(PendingRelease(reservation, prompt_tokens, completion_tokens))
+
+    async def retry_pending(self) -> int:
+        """Try the deferred releases again (every second); returns how many the store took."""
+        done = 0
+        while self.pending:
+            item = self.pending[0]
+            try:
+                await self.store.release(reservation=item.reservation, prompt_tokens=item.prompt_tokens,
+                                         completion_tokens=item.completion_tokens)
+            except StateStoreUnavailable:
+                break
+            self.pending.pop(0)
+            done += 1
+        return done

@@ -1,0 +1,183 @@
+"""The admit-or-wait step: offer the request to its pool's admission state machine, wait if it says so,
+then take a slot of the pool's dispatch budget (the DRR queue with AIMD, seed 002).
+
+The state machine decides (`apps.policy`'s ordered checks, priority-ordered waiting room, preemption);
+this step only turns its outcome into the request's fate: a 429/400 for a rejection, a wait that ends
+started or expired, a 503 when the shared store is away (or an unaccounted admission when failing open).
+Evictions the machine decides anywhere reach the victims through `InFlight.evict`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+from apps.gateway.config import GatewayConfig
+from apps.gateway.context import RequestContext
+from apps.gateway.errors import GatewayError, rejected, unavailable
+from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.scheduler import PoolScheduler
+from apps.gateway.snapshot import KeyEntry, PoolInfo
+from apps.gateway.state import (
+    REJECTED,
+    WAITING,
+    GatewayStateStore,
+    Offer,
+    RateView,
+    Reservation,
+    StateStoreUnavailable,
+)
+from apps.gateway.usage import UsageAccumulator
+from apps.policy import AdmissionDecision, AdmissionRequest, EntitlementLimits, Reason
+
+logger = logging.getLogger(__name__)
+
+PREEMPTED = "preempted"
+# Reasons for requests that are malformed rather than over a limit: a 400, as OpenAI answers a context
+# overflow, not a 429.
+BAD_REQUEST_REASONS = frozenset(
+    {Reason.INVALID_REQUEST.value, Reason.MAX_TOKENS_INVALID.value, Reason.CONTEXT_LENGTH_EXCEEDED.value}
+)
+REASON_TEXT = {
+    "entitlement_not_bound": "The entitlement of this key is not bound to pool capacity.",
+    "max_tokens_invalid": "'max_tokens' must be a positive integer.",
+    "context_length_exceeded": "The prompt plus max_tokens exceeds the model's context window.",
+    "invalid_request": "The request could not be sized.",
+    "concurrency_limit_exceeded": "Too many requests in flight for this entitlement.",
+    "rate_limit_exceeded": "The entitlement's token budget is exhausted.",
+    "kv_cache_limit_exceeded": "The entitlement's KV cache allowance is exhausted.",
+    "pool_contended": "The pool is contended and this request's priority is below the admission threshold.",
+}
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request's hold on its pool, from the offer to the release (`apps.gateway.account`)."""
+
+    ctx: RequestContext
+    entry: KeyEntry
+    limits: EntitlementLimits
+    pool: PoolInfo
+    scheduler: PoolScheduler
+    reservation: Reservation
+    decision: AdmissionDecision
+    # It holds a slot of the dispatch budget (to give back at release).
+    dispatched: bool = False
+
+
+class InFlight:
+    """This process's admitted requests by pool: who to cancel when the state machine evicts one, whose
+    leases to renew, what the in-flight gauges show, what a shutdown cancels."""
+
+    def __init__(self) -> None:
+        self.by_pool: dict[str, dict[str, RequestContext]] = {}
+
+    def add(self, pool: str, ctx: RequestContext) -> None:
+        self.by_pool.setdefault(pool, {})[ctx.request_id] = ctx
+
+    def remove(self, pool: str, request_id: str) -> None:
+        self.by_pool.get(pool, {}).pop(request_id, None)
+
+    def ids(self, pool: str) -> list[str]:
+        return list(self.by_pool.get(pool, ()))
+
+    def contexts(self) -> Iterator[RequestContext]:
+        for contexts in list(self.by_pool.values()):
+            yield from list(contexts.values())
+
+    def evict(self, request_id: str) -> None:
+        """The state machine evicted this request (here or in another process): end it with a clean error."""
+        for contexts in self.by_pool.values():
+            ctx = contexts.get(request_id)
+            if ctx is not None and not ctx.preempted:
+                ctx.preempted = True
+                if ctx.task is not None and not ctx.task.done():
+                    ctx.task.cancel(PREEMPTED)
+                return
+
+
+class Admitter:
+    def __init__(self, *, store: GatewayStateStore, config: GatewayConfig, metrics: GatewayMetrics,
+                 usage: UsageAccumulator, in_flight: InFlight,
+                 give_back: Callable[[Admission], Awaitable[None]]) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self.usage = usage
+        self.in_flight = in_flight
+        # The account step's release, for a request that ends here (expired, cancelled, queue timeout).
+        self.give_back = give_back
+
+    async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, limits: EntitlementLimits, pool: PoolInfo,
+                            scheduler: PoolScheduler, request: AdmissionRequest, saturation: float) -> Admission:
+        offer = await self._offer(limits, pool, request, scheduler, saturation)
+        ctx.view = offer.view
+        if offer.state == REJECTED:
+            raise self._rejection(entry, limits, offer.decision)
+        assert offer.reservation is not None
+        admission = Admission(ctx, entry, limits, pool, scheduler, offer.reservation, offer.decision)
+        self.in_flight.add(pool.name, ctx)
+        self.metrics.admitted.inc((limits.entitlement_id, str(limits.service_class)))
+        try:
+            if offer.state == WAITING and not await self._wait(offer.reservation):
+                decision = offer.decision._replace(reason=Reason.POOL_CONTENDED.value, retry_after_s=1.0,
+                                                   queued=False)
+                raise self._rejection(entry, limits, decision)
+            try:
+                await scheduler.acquire(flow=limits.entitlement_id, service_class=str(limits.service_class),
+                                        queue_max=entry.queue_max, request_id=ctx.request_id,
+                                        slot_taken=offer.slot_taken)
+            except GatewayError as error:
+                self.count_rejection(entry, limits, error.code)
+                raise
+        except BaseException:
+            # Expired, cancelled while waiting (client gone), no dispatch slot: nothing reached a backend.
+            await self.give_back(admission)
+            raise
+        admission.dispatched = True
+        return admission
+
+    async def _offer(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
+                     scheduler: PoolScheduler, saturation: float) -> Offer:
+        try:
+            return await self.store.offer(limits=limits, pool=pool, request=request, saturation=saturation,
+                                          slot=scheduler.slot_request())
+        except StateStoreUnavailable as exc:
+            if self.config.fail_open:
+                return _unaccounted(limits, pool, request)
+            raise unavailable("state_store_unavailable", f"The gateway state store is unreachable: {exc}") from None
+
+    async def _wait(self, reservation: Reservation) -> bool:
+        """Wait in the pool's waiting room; True once started. A cancellation (client gone, shutdown)
+        propagates and the caller's release cancels the reservation."""
+        try:
+            return await self.store.wait(reservation=reservation, timeout_s=self.config.acquire_timeout_s)
+        except StateStoreUnavailable as exc:
+            raise unavailable("state_store_unavailable", f"The gateway state store is unreachable: {exc}") from None
+
+    def _rejection(self, entry: KeyEntry, limits: EntitlementLimits, decision: AdmissionDecision) -> GatewayError:
+        reason = decision.reason
+        if reason in BAD_REQUEST_REASONS:
+            self.metrics.rejected.inc((limits.entitlement_id, str(limits.service_class), reason))
+            param = "max_tokens" if reason == Reason.MAX_TOKENS_INVALID.value else "messages"
+            return GatewayError(400, reason, REASON_TEXT.get(reason, reason), param=param)
+        self.count_rejection(entry, limits, reason)
+        retryable = decision.retryable and reason != Reason.ENTITLEMENT_NOT_BOUND.value
+        return rejected(reason, REASON_TEXT.get(reason, reason), retry_after_s=decision.retry_after_s,
+                        retryable=retryable)
+
+    def count_rejection(self, entry: KeyEntry, limits: EntitlementLimits, reason: str) -> None:
+        self.metrics.rejected.inc((limits.entitlement_id, str(limits.service_class), reason))
+        self.usage.reject(tenant_id=entry.tenant_id, entitlement=entry.entitlement)
+
+
+def _unaccounted(limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest) -> Offer:
+    """Failing open while the store is away: admitted, with nothing held anywhere to release."""
+    max_tokens = request.max_tokens or limits.default_max_tokens
+    decision = AdmissionDecision(True, Reason.ADMITTED.value, max_tokens=max_tokens,
+                                 token_cost=request.input_tokens + max_tokens)
+    reservation = Reservation(request.request_id, limits.entitlement_id, pool.name, decision.token_cost, 0.0,
+                              0.0, max_tokens, request.input_tokens, False, accounted=False)
+    return Offer(decision, reservation, RateView(), "running")
+

@@ -1,0 +1,227 @@
+"""The control loops of the gateway's state, as services the periodic runners call (Celery beat, the
+`run_ticks` loop, the in-process ticker; `workers.ticks` holds the registry and the runners).
+
+EWMA tick (seed 000, section 3.3): the admission state machine of every pool closes its served/demand
+window (`GatewayStateStore.tick`, the same window and computation as the simulator's ledger) and prices
+the next admissions with the new debt and burst at once. The tokens demanded per pool over the window are
+published for the autoscaling tick.
+
+AIMD tick (seed 002): one step of every pool's dispatch-budget controller (`apps.gateway.control`).
+
+State goes through the gateway's state store: the Redis store when `GATEWAY_STATE_BACKEND=redis` (one per
+tick run, closed after it), else the in-process store of the gateway living in this process, reached on
+the server's event loop (`bind_gateway_loop`). The control loops' own state is a `ControlState`: Redis
+when `REDIS_URL` is set, else in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from django.conf import settings
+from django.utils import timezone
+
+from apps.gateway.config import GatewayConfig
+from apps.gateway.control import (
+    AimdParams,
+    AimdRecord,
+    ControlState,
+    MemoryControlState,
+    RedisControlState,
+    aimd_tick,
+    aimd_tick_shared,
+)
+from apps.policy import Dynamics, EntitlementLimits, ttft_histogram_bounds
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+STORE_CALL_TIMEOUT_S = 30.0
+TICK_MODES = ("celery", "in-process", "off")
+
+_gateway_loop: asyncio.AbstractEventLoop | None = None
+_control: ControlState | None = None
+_control_guard = threading.Lock()
+
+
+def ticks_mode() -> str:
+    """'celery' when a real broker is configured (beat + worker run the ticks), else 'in-process'.
+
+    `TOKENPOOLS_TICKS` forces one: 'celery', 'in-process' or 'off'."""
+    forced = getattr(settings, "TOKENPOOLS_TICKS", None)
+    if forced:
+        mode = str(forced).strip().lower().replace("_", "-")
+        if mode not in TICK_MODES:
+            raise ValueError(f"TOKENPOOLS_TICKS must be celery, in-process or off, got {forced!r}")
+        return mode
+    broker = getattr(settings, "CELERY_BROKER_URL", "memory://") or "memory://"
+    return "in-process" if broker.startswith("memory://") else "celery"
+
+
+def bind_gateway_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Remember the server's event loop (call from inside it): the in-process state store is only
+    safe to touch from that loop, so ticks running in threads hand their work to it."""
+    global _gateway_loop
+    if loop is None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+    _gateway_loop = loop
+
+
+def gateway_loop() -> asyncio.AbstractEventLoop | None:
+    return _gateway_loop
+
+
+def control_state() -> ControlState:
+    """The process-wide control state: Redis when REDIS_URL is configured, else in memory."""
+    global _control
+    with _control_guard:
+        if _control is None:
+            url = getattr(settings, "REDIS_URL", "")
+            bounds = ttft_histogram_bounds(GatewayConfig.from_settings().ttft_target_s)
+            _control = RedisControlState(url=url, bounds=bounds) if url else MemoryControlState(bounds=bounds)
+        return _control
+
+
+def reset_control_state(state: ControlState | None = None) -> None:
+    """Replace the process-wide control state (tests; a settings change)."""
+    global _control
+    with _control_guard:
+        if _control is not None and _control is not state:
+            _control.close()
+        _control = state
+
+
+class StoreUnavailable(RuntimeError):
+    """No gateway state store is reachable from this process (yet)."""
+
+
+def with_gateway_store(fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+    """Run `fn(store)` against the gateway's state store and return its result (blocking)."""
+    config = GatewayConfig.from_settings()
+    if config.state_backend == "redis":
+        from apps.gateway.redis_state import RedisStateStore
+
+        if not config.redis_url:
+            raise StoreUnavailable("GATEWAY_STATE_BACKEND=redis needs REDIS_URL")
+
+        async def run() -> T:
+            store = RedisStateStore(url=config.redis_url, config=config.admission_config())
+            try:
+                return await fn(store)
+            finally:
+                await store.close()
+
+        return asyncio.run(run())
+    import apps.gateway.asgi as gateway_asgi
+
+    # Only a gateway this process already runs: creating one here would hold a store no one reads.
+    gateway = getattr(gateway_asgi, "_gateway", None)
+    store = getattr(gateway, "store", None)
+    loop = _gateway_loop
+    if store is None or loop is None or not loop.is_running():
+        raise StoreUnavailable("the in-process gateway has not started yet")
+    return asyncio.run_coroutine_threadsafe(fn(store), loop).result(timeout=STORE_CALL_TIMEOUT_S)
+
+
+def active_pool_limits() -> dict[str, list[EntitlementLimits]]:
+    """Every Bound entitlement not past its expiry, by pool name (what the EWMA tick measures)."""
+    from apps.gateway.snapshot import entitlement_limits
+    from apps.pools.models import EntitlementState, TokenEntitlement
+
+    now = timezone.now()
+    rows = TokenEntitlement.objects.filter(state=EntitlementState.BOUND).select_related("pool").order_by("id")
+    result: dict[str, list[EntitlementLimits]] = {}
+    for ent in rows:
+        if ent.is_past_expiry(now):
+            continue
+        limits = entitlement_limits(ent, kv_bytes_per_token=float(ent.pool.bytes_per_token), tenant_id=str(ent.tenant_id))
+        result.setdefault(ent.pool.name, []).append(limits)
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class EwmaResult:
+    dynamics: Mapping[str, Dynamics]
+    # Tokens demanded per pool (tokens/s) over the window: the autoscaling tick's observed throughput.
+    pool_demand_tps: Mapping[str, float]
+
+
+def tick_ewma() -> EwmaResult | None:
+    """Close every pool's served/demand window: debt and burst of each entitlement (seed 000, (2), (3))."""
+    pools = active_pool_limits()
+    if not pools:
+        return EwmaResult({}, {})
+    try:
+        readings = with_gateway_store(lambda store: store.tick(entitlements=pools))
+    except StoreUnavailable as exc:
+        logger.debug("ewma tick: %s", exc)
+        return None
+    pool_of = {limits.entitlement_id: pool for pool, rows in pools.items() for limits in rows}
+    demand: dict[str, float] = {}
+    for name, reading in readings.items():
+        pool = pool_of.get(name)
+        if pool is not None:
+            demand[pool] = demand.get(pool, 0.0) + reading.demand.tokens_per_second
+    control_state().pool_demand_set(demand)
+    return EwmaResult({name: reading.dynamics for name, reading in readings.items()}, demand)
+
+
+def _pool_capacities() -> dict[str, int]:
+    from apps.pools.models import TokenPool
+
+    capacities: dict[str, int] = {}
+    for pool in TokenPool.objects.prefetch_related("replicas").order_by("id"):
+        enabled = sum(1 for r in pool.replicas.all() if r.enabled)
+        capacities[pool.name] = enabled * pool.slots_per_replica
+    return capacities
+
+
+def aimd_params(config: GatewayConfig, tick_s: float) -> AimdParams:
+    """The shared controller's parameters from a `GatewayConfig`: the same target, window and floor as
+    the gateway's own per-process controller."""
+    return AimdParams(
+        target_p99_s=config.ttft_target_s,
+        window_ticks=max(1, round(config.aimd_window_s / tick_s)),
+        min_budget=config.budget_min,
+        min_budget_fraction=config.budget_min_fraction,
+    )
+
+
+def _aimd_period_s(config: GatewayConfig) -> float:
+    periods = getattr(settings, "TOKENPOOLS_TICK_PERIODS", None) or {}
+    return float(periods.get("aimd", config.aimd_tick_s))
+
+
+def tick_aimd() -> dict[str, AimdRecord]:
+    """One AIMD step of every pool's shared budget from its TTFT window, published in the gateway's
+    state store (with Redis every gateway process enforces it from its next dispatch on)."""
+    config = GatewayConfig.from_settings()
+    params = aimd_params(config, _aimd_period_s(config))
+    pools = _pool_capacities()
+    state = control_state()
+    try:
+        return with_gateway_store(lambda store: aimd_tick_shared(store=store, state=state, pools=pools, params=params))
+    except StoreUnavailable:  # no gateway here (run_ticks without Redis): the record only
+        return aimd_tick(state=state, pools=pools, params=params)
+
+
+def claim_tick(name: str, period_s: float) -> bool:
+    """True for one caller per `period_s` among every process sharing the control state: several
+    gateway processes each ticking the shared AIMD controller in-process (no Celery) take turns under
+    this short lock, so the pool's budget moves once a period, not once per process."""
+    return control_state().claim(f"tick:{name}", period_s)
+
+
+def desired_replicas_gauge() -> dict[tuple[str, ...], float]:
+    """`tokenpools_pool_desired_replicas{pool}` values for `GatewayMetrics.add_gauge`: read from the
+    control state, never the ORM, so it is safe inside the gateway's event loop."""
+    return {(pool,): float(desired) for pool, desired in control_state().desired_replicas().items()}

@@ -1,0 +1,247 @@
+"""What a gateway process runs besides requests: its periodic loops, its gauges, and its clean stop.
+
+Loops (each logged and tried again next period when it fails):
+- snapshot refresh: keys, entitlements and pools from the database when they change, pools synced into the
+  admission state machine (capacity and reservations);
+- replica health probes (and the replicas' vLLM metrics, for saturation);
+- lease renewal of this process's requests in a shared store, and the reaping of dead processes' ones;
+- the AIMD tick of the pools' dispatch budgets (this process's, or the pool's shared one);
+- with a shared store, this process's TTFT counts flushed to the pool's window once a second;
+- usage records flushed to the database, and releases the store could not take retried;
+- always: other processes' starts, expiries and evictions delivered to this process (shared stores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from apps.gateway.scheduler import aimd_tick_all
+from apps.gateway.state import StateStoreUnavailable
+
+if TYPE_CHECKING:
+    from apps.gateway.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+# With a shared store, how often this process's TTFT counts go to the pool's shared window.
+TTFT_FLUSH_S = 1.0
+RELEASE_RETRY_S = 1.0
+
+
+class ProcessLoops:
+    def __init__(self, gateway: Gateway, *, control: Any = None) -> None:
+        self.gateway = gateway
+        # The control loops' state (`apps.gateway.control.ControlState`; default `loops.control_state()`):
+        # with a shared store, this process's TTFT counts go to its window and the shared AIMD tick reads it.
+        self.control = control
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        gateway = self.gateway
+        assert gateway.store is not None
+        from apps.gateway.loops import bind_gateway_loop
+
+        bind_gateway_loop()  # the in-process ticker reaches this loop's state store through it
+        config = gateway.config
+        self._spawn(gateway.store.events_listen(), "gw-events")
+        if not config.background:
+            return
+        self._spawn(self._snapshots(), "gw-snapshot")
+        self._every(config.aimd_tick_s, self.aimd_tick, "gw-aimd")
+        self._every(config.health_interval_s, self.health_check, "gw-health")
+        self._every(config.usage_flush_s, gateway.usage.flush, "gw-usage")
+        self._every(config.lease_renew_s, self.leases_tick, "gw-leases")
+        self._every(RELEASE_RETRY_S, self.retry_releases, "gw-releases")
+        if gateway.store.shares_budget:
+            self._every(TTFT_FLUSH_S, self.ttft_flush, "gw-ttft")
+
+    def _spawn(self, coroutine: Awaitable[Any], name: str) -> None:
+        self.tasks.append(asyncio.get_running_loop().create_task(coroutine, name=name))  # type: ignore[arg-type]
+
+    def _every(self, interval_s: float, action: Callable[[], Any], name: str) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    result = action()
+                    if asyncio.iscoroutine(result):
+                        await result
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.exception("gateway background task %s failed", name)
+
+        self._spawn(loop(), name)
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self.tasks = []
+        gateway = self.gateway
+        if hasattr(gateway, "accountant"):
+            with contextlib.suppress(Exception):
+                await gateway.accountant.retry_pending()
+        with contextlib.suppress(Exception):
+            await gateway.usage.flush()
+
+    async def finish_requests(self, grace_s: float) -> None:
+        """Let requests still in flight end (their account step releases and records them); after `grace_s`
+        cancel the rest, which releases them the same way."""
+        in_flight = self.gateway.in_flight
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(True for _ in in_flight.contexts()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for ctx in in_flight.contexts():
+            if ctx.task is not None and not ctx.task.done():
+                ctx.task.cancel("gateway shutting down")
+        deadline = loop.time() + 2.0
+        while any(True for _ in in_flight.contexts()) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+    # --- the loops --------------------------------------------------------------------------------------
+
+    async def _snapshots(self) -> None:
+        gateway = self.gateway
+        while True:
+            try:
+                if await gateway.snapshots.refresh() and gateway.snapshots.current is not None:
+                    for pool in gateway.snapshots.current.pools.values():
+                        await gateway.sync_pool(pool)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep serving the last good snapshot; the database may come back
+                logger.exception("gateway snapshot refresh failed")
+            await asyncio.sleep(gateway.config.snapshot_poll_s)
+
+    async def health_check(self) -> None:
+        from apps.gateway.routing import probe_replicas
+
+        gateway = self.gateway
+        await gateway.start()
+        assert gateway.client is not None
+        snapshot = gateway.snapshots.current
+        if snapshot is not None:
+            for pool in snapshot.pools.values():
+                gateway.replica_set(pool)
+                gateway.scheduler(pool)
+        await probe_replicas(gateway.client, list(gateway.replicas.values()))
+
+    async def leases_tick(self) -> int:
+        """Renew the leases of this process's requests, then release those of dead processes."""
+        gateway = self.gateway
+        assert gateway.store is not None
+        reaped = 0
+        try:
+            for name in list(gateway.schedulers):
+                await gateway.store.leases_renew(pool=name, request_ids=gateway.in_flight.ids(name))
+                await gateway.schedulers[name].renew_slots()
+                reaped += await gateway.store.leases_reap(pool=name)
+        except StateStoreUnavailable:
+            pass
+        return reaped
+
+    async def retry_releases(self) -> int:
+        return await self.gateway.accountant.retry_pending()
+
+    def control_state(self) -> Any:
+        if self.control is None:
+            from apps.gateway.loops import control_state
+
+            self.control = control_state()
+        return self.control
+
+    async def aimd_tick(self) -> dict[str, int]:
+        """Every `aimd_tick_s`. One process: its own controller per pool. A shared store: the pool's one
+        controller, run here by one gateway process per period (a short lock in the control state) when
+        no Celery broker runs the ticks; every process then reads the budget it published."""
+        gateway = self.gateway
+        budgets = aimd_tick_all(list(gateway.schedulers.values()))  # shared: only the local windows move on
+        if gateway.store is None or not gateway.store.shares_budget:
+            return budgets
+        from apps.gateway.loops import ticks_mode
+
+        control = self.control_state()
+        if ticks_mode() == "in-process" and await asyncio.to_thread(
+                control.claim, "tick:aimd", 0.9 * gateway.config.aimd_tick_s):
+            return await self.shared_aimd_tick()
+        for scheduler in list(gateway.schedulers.values()):
+            budgets[scheduler.name] = await scheduler.refresh_budget()
+        return budgets
+
+    async def shared_aimd_tick(self) -> dict[str, int]:
+        """One step of every pool's shared AIMD controller, the pools' capacities from the snapshot (no ORM
+        on the server's loop)."""
+        from apps.gateway.control import aimd_tick_shared
+        from apps.gateway.loops import aimd_params
+
+        gateway = self.gateway
+        assert gateway.store is not None
+        snapshot = gateway.snapshots.current or await gateway.snapshots.get()
+        pools = {pool.name: max(1, pool.concurrency_capacity) for pool in snapshot.pools.values()}
+        records = await aimd_tick_shared(store=gateway.store, state=self.control_state(), pools=pools,
+                                         params=aimd_params(gateway.config, gateway.config.aimd_tick_s))
+        for scheduler in list(gateway.schedulers.values()):
+            await scheduler.refresh_budget()
+        return {pool: record.cap for pool, record in records.items()}
+
+    async def ttft_flush(self) -> int:
+        """Every second with a shared store: add this process's TTFT counts to each pool's shared window
+        (one write per pool, not one per request) and read the published budgets; returns the count."""
+        control = self.control_state()
+        flushed = 0
+        for scheduler in list(self.gateway.schedulers.values()):
+            counts = scheduler.take_ttft()
+            if counts is not None:
+                await asyncio.to_thread(control.ttft_add, scheduler.name, counts, scheduler.histogram.bounds)
+                flushed += sum(counts)
+            with contextlib.suppress(StateStoreUnavailable):
+                await scheduler.refresh_budget()
+        return flushed
+
+    # --- gauges -------------------------------------------------------------------------------------------
+
+    def register_gauges(self) -> None:
+        gateway = self.gateway
+        add = gateway.metrics.add_gauge
+        schedulers, replicas, in_flight = gateway.schedulers, gateway.replicas, gateway.in_flight
+        add("flow_control_queue_size", "Requests waiting for a slot of the pool budget.", ("pool",),
+            lambda: {(name,): float(s.queued) for name, s in schedulers.items()})
+        add("flow_control_pool_budget", "The pool budget (AIMD cap): this process's, or the pool's with Redis.",
+            ("pool",), lambda: {(name,): float(s.budget) for name, s in schedulers.items()})
+        add("flow_control_budget_utilization", "Dispatched requests over the pool budget (this process).",
+            ("pool",), lambda: {(name,): s.in_flight / max(1, s.budget) for name, s in schedulers.items()})
+
+        def saturations() -> dict[tuple[str, ...], float]:
+            values = {(name,): r.saturation() for name, r in replicas.items()}
+            return {key: value for key, value in values.items() if value is not None}
+
+        add("flow_control_pool_saturation", "GAIE saturation of the pool from its replicas' vLLM metrics.",
+            ("pool",), saturations)
+        add("gateway_requests_in_flight", "Admitted requests not yet finished (this process).", ("pool",),
+            lambda: {(name,): float(len(r)) for name, r in in_flight.by_pool.items()})
+
+        def by_entitlement() -> dict[tuple[str, ...], float]:
+            counts: dict[tuple[str, ...], float] = {}
+            for ctx in in_flight.contexts():
+                if ctx.entry is not None:
+                    key = (ctx.entry.entitlement,)
+                    counts[key] = counts.get(key, 0.0) + 1
+            return counts
+
+        add("gateway_entitlement_in_flight", "Admitted requests not yet finished, by entitlement (this process).",
+            ("entitlement",), by_entitlement)
+        add("gateway_pending_releases", "Releases the state store could not take yet (retried every second).",
+            (), lambda: {(): float(len(gateway.accountant.pending)) if hasattr(gateway, "accountant") else 0.0})
+
+        from apps.gateway.loops import desired_replicas_gauge
+
+        add("tokenpools_pool_desired_replicas", "Replicas the pool should run (autoscaling signal).", ("pool",),
+            desired_replicas_gauge)

@@ -1,0 +1,107 @@
+"""The route step: choose a replica of the pool (least outstanding requests among the healthy ones) and
+send the request there, trying another replica when nothing reached the first one.
+
+Routing policy lives in `apps.gateway.routing` (health, outstanding counts); this module sends. The
+transport is shared by every request: keep-alive connections sharded over independent pools.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from apps.gateway.context import RequestContext
+from apps.gateway.errors import GatewayError, unavailable
+from apps.gateway.parse import CHAT, ParsedRequest, upstream_body
+from apps.gateway.routing import ReplicaSet
+
+UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+# An idle upstream connection is dropped before the backend drops it: vLLM's server closes idle keep-alive
+# connections after 5 s, and a request sent on one it is closing fails with a ReadError (a 502 here).
+UPSTREAM_KEEPALIVE_S = 4.0
+# httpcore's connection pool, on every request and every response close, walks all its connections
+# (polling each idle one's socket for has_expired) and, for each pending request, all of them again:
+# with hundreds of requests in flight that walk was the largest cost per request and halved the
+# throughput. Spread over this many independent pools (round robin), each walk stays short. The
+# price: up to this many idle keep-alive connections per backend, and at a low request rate more
+# requests open a new connection (each pool keeps its own).
+TRANSPORT_SHARDS = 64
+
+
+class ShardedTransport(httpx.AsyncBaseTransport):
+    """Round-robin over `shards` independent keep-alive pools (no limit on connections)."""
+
+    def __init__(self, shards: int, *, keepalive_connections: int, keepalive_expiry: float) -> None:
+        shards = max(1, shards)
+        per_shard = max(1, -(-keepalive_connections // shards))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=per_shard,
+                              keepalive_expiry=keepalive_expiry)
+        ssl_context = httpx.create_ssl_context()  # one for all: loading the CA bundle takes ~20 ms
+        self.shards = [httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits) for _ in range(shards)]
+        self._next = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        shard = self.shards[self._next]
+        self._next = (self._next + 1) % len(self.shards)
+        return await shard.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for shard in self.shards:
+            await shard.aclose()
+
+
+def default_transport() -> ShardedTransport:
+    return ShardedTransport(TRANSPORT_SHARDS, keepalive_connections=1000, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
+
+
+async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport, timeout: dict[str, float | None],
+                        replicas: ReplicaSet, pool_name: str, model: str, parsed: ParsedRequest,
+                        max_tokens: int) -> tuple[httpx.Response, str]:
+    """Send the request to a replica; returns the response (headers read, body not) and the replica's URL,
+    which the caller gives back to `replicas.release` once the response is closed."""
+    body = upstream_body(parsed, model=model, max_tokens=max_tokens)
+    path = "/v1/chat/completions" if parsed.kind == CHAT else "/v1/completions"
+    tried: set[str] = set()
+    resent = False
+    while True:
+        candidates = replicas.candidates(tried)
+        if not candidates:
+            raise unavailable("no_healthy_replica", f"No healthy replica of pool {pool_name!r} can serve.")
+        url = candidates[0]
+        tried.add(url)
+        replicas.acquire(url)
+        ctx.upstream_started = time.perf_counter()
+        try:
+            # Straight to the shared transport: the client's cookie, redirect, auth and hook handling cost
+            # ~0.3 ms a request and none of it applies to a backend call.
+            request = httpx.Request("POST", url + path, content=body, headers=UPSTREAM_HEADERS,
+                                    extensions={"timeout": timeout})
+            response = await transport.handle_async_request(request)
+            response.request = request
+            return response, url
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # Nothing reached the replica: safe to try another one. Refused: it is down; a timeout only
+            # counts (see apps.gateway.routing).
+            replicas.release(url)
+            if isinstance(exc, httpx.ConnectTimeout):
+                replicas.timed_out(url)
+            else:
+                replicas.mark(url, False)
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+            replicas.release(url)
+            if resent:
+                raise GatewayError(502, "upstream_error", "The backend closed the connection twice.",
+                                   error_type="server_error") from None
+            # The connection broke before any byte of an answer: most often a pooled keep-alive connection
+            # the backend was closing as we sent. Sent once more on a fresh one; had the backend started on
+            # it, it saw its client go and aborted it.
+            resent = True
+            tried.discard(url)
+        except httpx.HTTPError as exc:
+            replicas.release(url)
+            raise GatewayError(502, "upstream_error", f"The backend failed: {type(exc).__name__}.",
+                               error_type="server_error") from None
+        except BaseException:
+            replicas.release(url)
+            raise
