@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: tiny-model train-tiny bench-engine venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: conformance tiny-model train-tiny bench-engine venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ test: venv system-deps vllm-venv lint test-sqlite test-postgres
 
 test-sqlite: venv
 	$(PYTEST) -q
+
+# One table of admission scenarios against the policy's ledger, the in-process store and the Redis store
+# (a real Redis started for it): the state machine is defined once, the Lua scripts are proven equal to it.
+conformance: venv system-deps
+	$(PYTEST) -q tests/conformance -p no:cacheprovider
 
 test-postgres: venv
 	$(BIN)/python -m tests.support.services --postgres -- $(PYTEST) -q -m "api or postgres" -p no:cacheprovider

@@ -172,3 +172,7 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
 }
+
+# Who runs the periodic ticks: '' (Celery when a broker is configured, else in-process), 'celery',
+# 'in-process' or 'off' (apps.gateway.loops.ticks_mode).
+TOKENPOOLS_TICKS = os.environ.get("TOKENPOOLS_TICKS", "")
