@@ -152,7 +152,8 @@ class Admitter:
         """Wait in the pool's waiting room; True once started. A cancellation (client gone, shutdown)
         propagates and the caller's release cancels the reservation."""
         try:
-            return await self.store.wait(reservation=reservation, timeout_s=self.config.acquire_timeout_s)
+            # The state machine's own acquire timeout: it expires whoever waited that long.
+            return await self.store.wait(reservation=reservation, timeout_s=self.store.config.wait_timeout_s)
         except StateStoreUnavailable as exc:
             raise unavailable("state_store_unavailable", f"The gateway state store is unreachable: {exc}") from None
 

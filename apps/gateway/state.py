@@ -21,7 +21,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from apps.gateway.snapshot import PoolInfo
-from apps.policy import AdmissionDecision, AdmissionRequest, EntitlementLimits, EntitlementUsage
+from apps.policy import (
+    AdmissionConfig,
+    AdmissionDecision,
+    AdmissionRequest,
+    EntitlementLimits,
+    EntitlementUsage,
+)
+from apps.policy.admission import DEFAULT_ADMISSION_CONFIG
 from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
 from apps.policy.window import WindowReading
 
@@ -132,6 +139,8 @@ class GatewayStateStore(ABC):
     # Seconds between checks of a waiter's state in the store, for stores whose start notifications can be
     # lost (another process's, over pub/sub); None: every start is notified in this process.
     poll_s: float | None = None
+    # The state machine's parameters (the acquire timeout of a waiter among them).
+    config: AdmissionConfig = DEFAULT_ADMISSION_CONFIG
 
     def __init__(self) -> None:
         self._waiters: dict[str, asyncio.Future[bool]] = {}

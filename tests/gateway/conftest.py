@@ -100,7 +100,7 @@ def gateway_factory(
             secrets[name] = apikey_create(actor=admin, entitlement=other)[1]
         cfg = GatewayConfig(**{"background": False, "tokenize": True, **(config or {})})
         snapshots = SnapshotCache(config=cfg, initial=snapshot_load(config=cfg))
-        gateway = Gateway(config=cfg, snapshots=snapshots, store=store or MemoryStateStore())
+        gateway = Gateway(config=cfg, snapshots=snapshots, store=store or MemoryStateStore(config=cfg.admission_config()))
         server = ServerThread(gateway).start()
         servers.append((server, gateway))
         return Harness(gateway, server, secret, upstreams, ent, pool_obj, secrets)
