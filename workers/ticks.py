@@ -11,8 +11,8 @@ Rules every runner keeps, implemented once in `run_tick` and `Ticker`:
   tick never stacks up; the next firing after it finishes runs normally);
 - a failing tick is logged and simply runs again next period (no retry storm, no dead loop).
 
-Periods default to the seeds' values (EWMA every 1 s; AIMD every 5 s over a 30 s window) and can
-be changed with `TOKENPOOLS_TICK_<NAME>_S` in the environment or `TOKENPOOLS_TICK_PERIODS` in settings.
+Periods default to the seeds' values (EWMA every 1 s; AIMD every 5 s over a 30 s window); the settings'
+`TOKENPOOLS_TICK_PERIODS` (from `TOKENPOOLS_TICK_<NAME>_S` in the environment) changes them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import concurrent.futures
 import enum
 import importlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -58,24 +57,21 @@ DEFAULT_TICKS: tuple[TickSpec, ...] = (
 
 
 def _overrides() -> Mapping[str, float]:
-    try:
-        from django.conf import settings
+    # Imported here: tokenpools_site.settings imports this module for the registry's names and defaults.
+    from django.conf import settings
 
-        return dict(getattr(settings, "TOKENPOOLS_TICK_PERIODS", {}) or {})
-    except Exception:  # no settings module configured: a bare unit test of the ticker
-        return {}
+    return dict(settings.TOKENPOOLS_TICK_PERIODS or {})
 
 
 def tick_specs(names: Iterable[str] | None = None) -> dict[str, TickSpec]:
-    """The registry with the configured periods (environment first, then settings, then defaults)."""
+    """The registry with the configured periods (settings' TOKENPOOLS_TICK_PERIODS, else the defaults)."""
     overrides = _overrides()
     wanted = None if names is None else set(names)
     specs: dict[str, TickSpec] = {}
     for spec in DEFAULT_TICKS:
         if wanted is not None and spec.name not in wanted:
             continue
-        raw = os.environ.get(f"TOKENPOOLS_TICK_{spec.name.upper()}_S")
-        period = float(raw) if raw else float(overrides.get(spec.name, spec.period_s))
+        period = float(overrides.get(spec.name, spec.period_s))
         if not period > 0:
             raise ValueError(f"tick {spec.name!r} needs a positive period, got {period!r}")
         specs[spec.name] = TickSpec(spec.name, period, spec.target, spec.description)
@@ -247,21 +243,16 @@ _in_process_guard = threading.Lock()
 def ticks_mode() -> str:
     """'celery' when a real broker is configured (beat + worker run the ticks), else 'in-process'.
 
-    `TOKENPOOLS_TICKS` (environment or settings) forces one: 'celery', 'in-process' or 'off'.
+    The setting `TOKENPOOLS_TICKS` forces one: 'celery', 'in-process' or 'off' ('auto' or unset: the broker decides).
     """
-    forced = os.environ.get("TOKENPOOLS_TICKS")
-    broker = "memory://"
-    try:
-        from django.conf import settings
+    from django.conf import settings
 
-        forced = forced or getattr(settings, "TOKENPOOLS_TICKS", None)
-        broker = getattr(settings, "CELERY_BROKER_URL", broker) or broker
-    except Exception:  # no settings module configured
-        pass
-    if forced:
+    forced: str | None = settings.TOKENPOOLS_TICKS
+    broker = settings.CELERY_BROKER_URL or "memory://"
+    if forced and forced.strip().lower() != "auto":
         mode = forced.strip().lower().replace("_", "-")
         if mode not in {"celery", "in-process", "off"}:
-            raise ValueError(f"TOKENPOOLS_TICKS must be celery, in-process or off, got {forced!r}")
+            raise ValueError(f"TOKENPOOLS_TICKS must be auto, celery, in-process or off, got {forced!r}")
         return mode
     return "in-process" if broker.startswith("memory://") else "celery"
 

@@ -244,12 +244,12 @@ def test_two_gateway_processes_share_one_aimd_controller_and_its_budget(
 
 
 def test_one_gateway_process_per_period_runs_the_shared_tick(
-    gateway_factory: Any, redis_url: str, shared_control: Any, monkeypatch: pytest.MonkeyPatch
+    gateway_factory: Any, redis_url: str, shared_control: Any, settings: Any
 ) -> None:
     from apps.gateway.app import Gateway
     from tests.gateway.servers import ServerThread
 
-    monkeypatch.setenv("TOKENPOOLS_TICKS", "in-process")  # no Celery: the gateways tick the shared controller
+    settings.TOKENPOOLS_TICKS = "in-process"  # no Celery: the gateways tick the shared controller
     prefix = f"t{uuid.uuid4().hex}:"
     first = gateway_factory(store=RedisStateStore(url=redis_url, prefix=prefix), pool={"slots_per_replica": 8},
                             config={"tokenize": False, "ttft_target_s": 0.5, "aimd_tick_s": 2.0})
