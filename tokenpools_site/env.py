@@ -110,7 +110,9 @@ def env_float(
     return value
 
 
-def env_choice(name: str, default: str, choices: Iterable[str], *, environ: Mapping[str, str] | None = None) -> str:
+def env_choice(
+    name: str, default: str, choices: Iterable[str], *, environ: Mapping[str, str] | None = None
+) -> str:
     """One of `choices`, matched without regard to case; returned as spelled in `choices`."""
     options = tuple(choices)
     raw = env_raw(name, environ=environ)

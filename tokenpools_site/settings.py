@@ -147,10 +147,14 @@ if GATEWAY_LEASE_RENEW_S >= GATEWAY_LEASE_S:
 TOKENPOOLS_TICKS = env_choice("TOKENPOOLS_TICKS", "auto", ("auto", "celery", "in-process", "off"))
 # Every tick's period, TOKENPOOLS_TICK_<NAME>_S overriding the registry's default.
 TOKENPOOLS_TICK_PERIODS = {
-    spec.name: env_float(f"TOKENPOOLS_TICK_{spec.name.upper()}_S", spec.period_s, above=0) for spec in DEFAULT_TICKS
+    spec.name: env_float(f"TOKENPOOLS_TICK_{spec.name.upper()}_S", spec.period_s, above=0)
+    for spec in DEFAULT_TICKS
 }
+# A mistyped tick name would otherwise be ignored silently.
 _unknown_ticks = [
-    name for name in env_names(r"TOKENPOOLS_TICK_\w+_S") if name[len("TOKENPOOLS_TICK_"):-2].lower() not in TOKENPOOLS_TICK_PERIODS
+    name
+    for name in env_names(r"TOKENPOOLS_TICK_\w+_S")
+    if name.removeprefix("TOKENPOOLS_TICK_").removesuffix("_S").lower() not in TOKENPOOLS_TICK_PERIODS
 ]
 if _unknown_ticks:
     raise ImproperlyConfigured(
@@ -221,5 +225,8 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))},
+    "root": {
+        "handlers": ["console"],
+        "level": env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+    },
 }
