@@ -7,8 +7,9 @@ from rest_framework.authtoken.views import obtain_auth_token
 from rest_framework.routers import DefaultRouter
 
 from apps.gateway.api import UsageRecordViewSet
+from apps.operations.api import ApiKeyViewSet, TenantViewSet
 from apps.pools.api import ApplyView, EntitlementViewSet, ExportView, PoolViewSet
-from apps.tenancy.api import ApiKeyViewSet, MembershipViewSet, TenantViewSet, UserViewSet
+from apps.tenancy.api import MembershipViewSet, UserViewSet
 
 router = DefaultRouter()
 router.register("tenants", TenantViewSet, basename="tenant")

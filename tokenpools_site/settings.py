@@ -1,4 +1,8 @@
-"""Settings for tokenpools, read from the environment.
+"""Settings for tokenpools: every environment variable the project reads is read here, and only here.
+
+Each variable has an embedded default and is parsed strictly by `tokenpools_site.env`: a bad boolean or
+number stops start-up with `ImproperlyConfigured` naming the variable and the value. The README's
+Configuration section lists them all. The rest of the code reads `django.conf.settings`.
 
 Embedded default (``make run``): SQLite file, in-process gateway state, in-memory channel layer,
 periodic ticks inside the server. ``DATABASE_URL`` and ``REDIS_URL`` are honoured whenever they are
@@ -8,39 +12,31 @@ and ``SECRET_KEY`` are all given.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from tokenpools_site.env import env_bool, env_choice, env_float, env_int, env_list, env_names, env_str
+from workers.ticks import DEFAULT_TICKS
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
-DEPLOYMENT = os.environ.get("DEPLOYMENT", "embedded").strip().lower()
-if DEPLOYMENT not in {"embedded", "production"}:
-    raise ImproperlyConfigured(f"DEPLOYMENT must be 'embedded' or 'production', got {DEPLOYMENT!r}")
+DEPLOYMENT = env_choice("DEPLOYMENT", "embedded", ("embedded", "production"))
 PRODUCTION = DEPLOYMENT == "production"
 
 if PRODUCTION:
-    _missing = [name for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY") if not os.environ.get(name)]
+    _missing = [name for name in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY") if not env_str(name, "")]
     if _missing:
         raise ImproperlyConfigured(
             "DEPLOYMENT=production refuses to start without " + ", ".join(_missing) + " in the environment"
         )
 
-
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    return raw.strip().lower() in {"1", "true", "yes", "on"}
-
-
 # The embedded key only exists so a fresh clone runs; production demands its own (checked above).
-SECRET_KEY = os.environ.get("SECRET_KEY", "embedded-insecure-key-do-not-use-in-production")
-DEBUG = _env_bool("DEBUG", not PRODUCTION)
-ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver,[::1]").split(",") if h]
-CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+SECRET_KEY = env_str("SECRET_KEY", "embedded-insecure-key-do-not-use-in-production")
+DEBUG = env_bool("DEBUG", not PRODUCTION)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -94,15 +90,15 @@ TEMPLATES = [
 
 DATABASES = {
     "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
-        conn_max_age=int(os.environ.get("DB_CONN_MAX_AGE", "0")),
+        env_str("DATABASE_URL", f"sqlite:///{BASE_DIR / 'db.sqlite3'}"),
+        conn_max_age=env_int("DB_CONN_MAX_AGE", 0, at_least=0),
     )
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Binding locks the pool row; on SQLite a write transaction takes the whole file, wait for it.
     DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
 
-REDIS_URL = os.environ.get("REDIS_URL", "")
+REDIS_URL = env_str("REDIS_URL", "")
 
 if REDIS_URL:
     CHANNEL_LAYERS = {
@@ -111,12 +107,71 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-# Gateway state store: in-process unless Redis is configured (one interface, two implementations).
-GATEWAY_STATE_BACKEND = os.environ.get("GATEWAY_STATE_BACKEND", "redis" if REDIS_URL else "memory")
-
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", REDIS_URL or "memory://")
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "memory://")
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
+
+# --- gateway (apps.gateway.config.GatewayConfig.from_settings reads these) ---------------------------
+# The defaults are GatewayConfig's own field defaults (tests/tokenpools_site/test_settings.py holds them equal).
+
+# State store: in-process unless Redis is configured (one interface, two implementations).
+GATEWAY_STATE_BACKEND = env_choice("GATEWAY_STATE_BACKEND", "redis" if REDIS_URL else "memory", ("memory", "redis"))
+GATEWAY_FAIL_OPEN = env_bool("GATEWAY_FAIL_OPEN", False)
+GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 1_048_576, at_least=1)
+GATEWAY_MAX_TOKENS_LIMIT = env_int("GATEWAY_MAX_TOKENS_LIMIT", 1_000_000, at_least=1)
+GATEWAY_DEFAULT_MAX_TOKENS = env_int("GATEWAY_DEFAULT_MAX_TOKENS", 256, at_least=1)
+GATEWAY_CONTEXT_WINDOW = env_int("GATEWAY_CONTEXT_WINDOW", 4096, at_least=1)
+GATEWAY_TOKENIZE = env_bool("GATEWAY_TOKENIZE", True)
+GATEWAY_SNAPSHOT_POLL_S = env_float("GATEWAY_SNAPSHOT_POLL_S", 0.5, above=0)
+GATEWAY_AIMD_TICK_S = env_float("GATEWAY_AIMD_TICK_S", 5.0, above=0)
+GATEWAY_AIMD_WINDOW_S = env_float("GATEWAY_AIMD_WINDOW_S", 30.0, above=0)
+GATEWAY_TTFT_TARGET_S = env_float("GATEWAY_TTFT_TARGET_S", 2.0, above=0)
+GATEWAY_BUDGET_MIN_FRACTION = env_float("GATEWAY_BUDGET_MIN_FRACTION", 0.25, at_least=0, at_most=1)
+GATEWAY_ACQUIRE_TIMEOUT_S = env_float("GATEWAY_ACQUIRE_TIMEOUT_S", 1.0, at_least=0)
+GATEWAY_QUEUE_MAX = env_int("GATEWAY_QUEUE_MAX", 8, at_least=0)
+GATEWAY_HEALTH_INTERVAL_S = env_float("GATEWAY_HEALTH_INTERVAL_S", 2.0, above=0)
+GATEWAY_USAGE_FLUSH_S = env_float("GATEWAY_USAGE_FLUSH_S", 2.0, above=0)
+GATEWAY_SATURATION_ADMISSION = env_bool("GATEWAY_SATURATION_ADMISSION", True)
+GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 30.0, at_least=0)
+GATEWAY_LEASE_S = env_float("GATEWAY_LEASE_S", 10.0, above=0)
+GATEWAY_LEASE_RENEW_S = env_float("GATEWAY_LEASE_RENEW_S", 3.0, above=0)
+if GATEWAY_LEASE_RENEW_S >= GATEWAY_LEASE_S:
+    # A lease renewed no sooner than it runs out lapses between renewals.
+    raise ImproperlyConfigured(
+        f"GATEWAY_LEASE_RENEW_S ({GATEWAY_LEASE_RENEW_S:g}) must be below GATEWAY_LEASE_S ({GATEWAY_LEASE_S:g})"
+    )
+
+# --- periodic ticks (workers.ticks) ---------------------------------------------------------------------
+
+# 'auto': Celery when a real broker is configured, else inside the server; or forced: celery, in-process, off.
+TOKENPOOLS_TICKS = env_choice("TOKENPOOLS_TICKS", "auto", ("auto", "celery", "in-process", "off"))
+# Every tick's period, TOKENPOOLS_TICK_<NAME>_S overriding the registry's default.
+TOKENPOOLS_TICK_PERIODS = {
+    spec.name: env_float(f"TOKENPOOLS_TICK_{spec.name.upper()}_S", spec.period_s, above=0)
+    for spec in DEFAULT_TICKS
+}
+# A mistyped tick name would otherwise be ignored silently.
+_unknown_ticks = [
+    name
+    for name in env_names(r"TOKENPOOLS_TICK_\w+_S")
+    if name.removeprefix("TOKENPOOLS_TICK_").removesuffix("_S").lower() not in TOKENPOOLS_TICK_PERIODS
+]
+if _unknown_ticks:
+    raise ImproperlyConfigured(
+        f"{', '.join(_unknown_ticks)}: no such tick; the ticks are {', '.join(TOKENPOOLS_TICK_PERIODS)}"
+    )
+TOKENPOOLS_SCRAPE_TIMEOUT_S = env_float("TOKENPOOLS_SCRAPE_TIMEOUT_S", 1.0, above=0)
+# The live dashboard's own sampler in each server process; off when Celery publishes the samples.
+DASHBOARD_LOCAL_SAMPLER = env_bool("DASHBOARD_LOCAL_SAMPLER", True)
+
+# --- demo commands (seed_demo, demo_up, loadgen, demo_screenshot) ----------------------------------------
+
+# Passwords of the demo's operator and tenant owners; generated and printed once when unset.
+TOKENPOOLS_ADMIN_PASSWORD = env_str("TOKENPOOLS_ADMIN_PASSWORD", "")
+TOKENPOOLS_DEMO_PASSWORD = env_str("TOKENPOOLS_DEMO_PASSWORD", "")
+# The demo's API keys as JSON (`seed_demo --write-keys`), read by `loadgen` for `entitlement:NAME` keys.
+TOKENPOOLS_DEMO_KEYS = env_str("TOKENPOOLS_DEMO_KEYS", "var/demo-keys.json")
+TOKENPOOLS_CHROMIUM = env_str("TOKENPOOLS_CHROMIUM", "/usr/bin/chromium")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -170,9 +225,8 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "root": {
+        "handlers": ["console"],
+        "level": env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+    },
 }
-
-# Who runs the periodic ticks: '' (Celery when a broker is configured, else in-process), 'celery',
-# 'in-process' or 'off' (apps.gateway.loops.ticks_mode).
-TOKENPOOLS_TICKS = os.environ.get("TOKENPOOLS_TICKS", "")

@@ -11,8 +11,8 @@ Rules every runner keeps, implemented once in `run_tick` and `Ticker`:
   tick never stacks up; the next firing after it finishes runs normally);
 - a failing tick is logged and simply runs again next period (no retry storm, no dead loop).
 
-Periods default to the seeds' values (EWMA every 1 s; AIMD every 5 s over a 30 s window) and can
-be changed with `TOKENPOOLS_TICK_<NAME>_S` in the environment or `TOKENPOOLS_TICK_PERIODS` in settings.
+Periods default to the seeds' values (EWMA every 1 s; AIMD every 5 s over a 30 s window); the settings'
+`TOKENPOOLS_TICK_PERIODS` (from `TOKENPOOLS_TICK_<NAME>_S` in the environment) changes them.
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ import concurrent.futures
 import enum
 import importlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from apps.gateway.loops import bind_gateway_loop, ticks_mode
 
 logger = logging.getLogger(__name__)
 
@@ -60,24 +57,21 @@ DEFAULT_TICKS: tuple[TickSpec, ...] = (
 
 
 def _overrides() -> Mapping[str, float]:
-    try:
-        from django.conf import settings
+    # Imported here: tokenpools_site.settings imports this module for the registry's names and defaults.
+    from django.conf import settings
 
-        return dict(getattr(settings, "TOKENPOOLS_TICK_PERIODS", {}) or {})
-    except Exception:  # no settings module configured: a bare unit test of the ticker
-        return {}
+    return dict(settings.TOKENPOOLS_TICK_PERIODS or {})
 
 
 def tick_specs(names: Iterable[str] | None = None) -> dict[str, TickSpec]:
-    """The registry with the configured periods (environment first, then settings, then defaults)."""
+    """The registry with the configured periods (settings' TOKENPOOLS_TICK_PERIODS, else the defaults)."""
     overrides = _overrides()
     wanted = None if names is None else set(names)
     specs: dict[str, TickSpec] = {}
     for spec in DEFAULT_TICKS:
         if wanted is not None and spec.name not in wanted:
             continue
-        raw = os.environ.get(f"TOKENPOOLS_TICK_{spec.name.upper()}_S")
-        period = float(raw) if raw else float(overrides.get(spec.name, spec.period_s))
+        period = float(overrides.get(spec.name, spec.period_s))
         if not period > 0:
             raise ValueError(f"tick {spec.name!r} needs a positive period, got {period!r}")
         specs[spec.name] = TickSpec(spec.name, period, spec.target, spec.description)
@@ -246,6 +240,14 @@ _in_process: Ticker | None = None
 _in_process_guard = threading.Lock()
 
 
+def ticks_mode() -> str:
+    """Who runs the ticks: 'celery', 'in-process' or 'off' (`apps.gateway.loops.ticks_mode`; imported on use,
+    so that importing this registry, as the settings do, stays free of the apps)."""
+    from apps.gateway.loops import ticks_mode as mode
+
+    return mode()
+
+
 def start_in_process_ticker(names: Iterable[str] = IN_PROCESS_TICKS, *, force: bool = False) -> Ticker | None:
     """Start the ticks inside this process (once; later calls return the same ticker).
 
@@ -263,6 +265,8 @@ def start_in_process_ticker(names: Iterable[str] = IN_PROCESS_TICKS, *, force: b
             return None
     with _in_process_guard:
         if _in_process is None:
+            from apps.gateway.loops import bind_gateway_loop
+
             bind_gateway_loop()
             _in_process = Ticker(tick_specs(names))
             _in_process.start()

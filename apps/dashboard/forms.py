@@ -14,7 +14,15 @@ from django import forms
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
-from apps.pools.models import BackendKind, Replica, ServiceClass, TokenEntitlement, TokenPool
+from apps.policy import ServiceClass
+from apps.pools.models import (
+    SERVICE_CLASS_CHOICES,
+    SERVICE_CLASS_HELP,
+    BackendKind,
+    Replica,
+    TokenEntitlement,
+    TokenPool,
+)
 from apps.tenancy.models import Role, Tenant
 
 
@@ -116,7 +124,8 @@ class EntitlementForm(forms.Form):
     name = forms.CharField(max_length=253, help_text="Unique; lowercase letters, digits, '.' and '-'.")
     tenant = forms.ModelChoiceField(queryset=Tenant.objects.none(), empty_label=None)
     pool = forms.ModelChoiceField(queryset=TokenPool.objects.none(), empty_label=None, to_field_name="name")
-    service_class = forms.ChoiceField(choices=ServiceClass.choices, initial=ServiceClass.GUARANTEED)
+    service_class = forms.ChoiceField(choices=SERVICE_CLASS_CHOICES, initial=ServiceClass.GUARANTEED,
+                                      help_text=SERVICE_CLASS_HELP + ".")
     slo_target_ms = forms.IntegerField(min_value=1, initial=200, label="SLO target (ms)")
     tokens_per_second = forms.IntegerField(min_value=1, label="Tokens/s")
     kv_cache_gib = forms.DecimalField(

@@ -662,7 +662,7 @@ def ensure_local_sampler(period_s: float = SAMPLE_PERIOD_S) -> bool:
     global _sampler_task, _server_loop
     from django.conf import settings
 
-    if not getattr(settings, "DASHBOARD_LOCAL_SAMPLER", True):
+    if not settings.DASHBOARD_LOCAL_SAMPLER:
         return False
     loop = asyncio.get_running_loop()
     if _sampler_task is not None and not _sampler_task.done() and _server_loop is loop:

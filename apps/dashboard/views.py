@@ -35,6 +35,7 @@ from apps.dashboard.forms import (
     TenantForm,
     add_service_errors,
 )
+from apps.operations import tenants as tenant_operations
 from apps.pools import selectors as pool_selectors
 from apps.pools import services as pool_services
 from apps.pools.models import EntitlementState
@@ -446,7 +447,7 @@ def tenant_edit(request: AuthenticatedRequest, slug: str) -> HttpResponse:
 def tenant_delete(request: AuthenticatedRequest, slug: str) -> HttpResponse:
     _require_superuser(request)
     tenant = tenancy_selectors.tenant_get(user=request.user, slug=slug)
-    tenancy_services.tenant_delete(actor=request.user, tenant=tenant)
+    tenant_operations.tenant_delete(actor=request.user, tenant=tenant)
     return _redirect_with_success(
         request, f"Tenant {slug} deleted with its memberships, entitlements and keys.", "ui:tenant-list"
     )

@@ -15,13 +15,8 @@ routing.py     `ReplicaSet` (least outstanding, health), `probe_replicas`, `pars
 requests.py    body validation; tokens.py input token counts; errors.py OpenAI-style errors;
 metrics.py     Prometheus text; usage.py / services.py / models.py / api.py usage records.
 
-Settings (Django settings or environment; defaults in brackets)
----------------------------------------------------------------
-REDIS_URL, GATEWAY_STATE_BACKEND [redis if REDIS_URL else memory], GATEWAY_FAIL_OPEN [0],
-GATEWAY_MAX_BODY_BYTES [1048576], GATEWAY_MAX_TOKENS_LIMIT [1000000], GATEWAY_DEFAULT_MAX_TOKENS [256],
-GATEWAY_CONTEXT_WINDOW [4096; the backend's max_model_len from /tokenize wins], GATEWAY_TOKENIZE [1],
-GATEWAY_SNAPSHOT_POLL_S [0.5], GATEWAY_AIMD_TICK_S [5], GATEWAY_AIMD_WINDOW_S [30],
-GATEWAY_TTFT_TARGET_S [2], GATEWAY_ACQUIRE_TIMEOUT_S [1], GATEWAY_QUEUE_MAX [8],
-GATEWAY_HEALTH_INTERVAL_S [2], GATEWAY_USAGE_FLUSH_S [2], GATEWAY_SATURATION_ADMISSION [1],
-GATEWAY_BUDGET_MIN_FRACTION [0.25].
+Settings
+--------
+`GatewayConfig.from_settings()` (config.py) reads the `GATEWAY_*` Django settings, which
+tokenpools_site/settings.py reads from the environment; the README's Configuration section lists them.
 """

@@ -1,28 +1,44 @@
-"""Gateway settings: Django settings when set there, else the environment, else an embedded default."""
+"""Gateway settings as one frozen object, built from Django's settings.
+
+The settings themselves (names, embedded defaults, strict parsing of the environment) are defined in
+`tokenpools_site.settings`; the README's Configuration section lists them. The field defaults here are the
+same values, for a `GatewayConfig(...)` built directly (tests); a settings test holds the two equal.
+"""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
 from apps.policy import AdmissionConfig
 
-
-def _setting(name: str, default: Any) -> Any:
-    try:
-        from django.conf import settings
-
-        if settings.configured and hasattr(settings, name):
-            return getattr(settings, name)
-    except ImportError:  # pragma: no cover - Django is always installed here
-        pass
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    if isinstance(default, bool):
-        return raw.strip().lower() in {"1", "true", "yes", "on"}
-    return type(default)(raw)
+# Field -> the Django setting it is read from (GatewayConfig.from_settings).
+SETTING_NAMES: dict[str, str] = {
+    "redis_url": "REDIS_URL",
+    "state_backend": "GATEWAY_STATE_BACKEND",
+    "fail_open": "GATEWAY_FAIL_OPEN",
+    "max_body_bytes": "GATEWAY_MAX_BODY_BYTES",
+    "max_tokens_limit": "GATEWAY_MAX_TOKENS_LIMIT",
+    "default_max_tokens": "GATEWAY_DEFAULT_MAX_TOKENS",
+    "context_window": "GATEWAY_CONTEXT_WINDOW",
+    "tokenize": "GATEWAY_TOKENIZE",
+    "snapshot_poll_s": "GATEWAY_SNAPSHOT_POLL_S",
+    "aimd_tick_s": "GATEWAY_AIMD_TICK_S",
+    "aimd_window_s": "GATEWAY_AIMD_WINDOW_S",
+    "ttft_target_s": "GATEWAY_TTFT_TARGET_S",
+    "budget_min_fraction": "GATEWAY_BUDGET_MIN_FRACTION",
+    "acquire_timeout_s": "GATEWAY_ACQUIRE_TIMEOUT_S",
+    "queue_max_default": "GATEWAY_QUEUE_MAX",
+    "health_interval_s": "GATEWAY_HEALTH_INTERVAL_S",
+    "usage_flush_s": "GATEWAY_USAGE_FLUSH_S",
+    "saturation_admission": "GATEWAY_SATURATION_ADMISSION",
+    "drain_timeout_s": "GATEWAY_DRAIN_TIMEOUT_S",
+    "lease_s": "GATEWAY_LEASE_S",
+    "lease_renew_s": "GATEWAY_LEASE_RENEW_S",
+}
 
 
 @dataclass(frozen=True)
@@ -50,14 +66,20 @@ class GatewayConfig:
     usage_flush_s: float = 2.0
     # Feed the replicas' scraped vLLM saturation into admission check 5 (seed 004's detector).
     saturation_admission: bool = True
-    background: bool = True
-    # How long `serve` lets in-flight requests finish on SIGTERM before cancelling them.
+    # How long `serve` lets in-flight requests finish on SIGTERM before cancelling the rest.
     drain_timeout_s: float = 30.0
-    # A reservation's lease in the shared store, and how often its process renews it: a process that
-    # dies stops renewing, and its reservations are released one lease later.
+    # The lease of a reservation in the shared store, and how often its holder renews it (< lease_s).
     lease_s: float = 10.0
     lease_renew_s: float = 3.0
+    background: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lease_renew_s >= self.lease_s:
+            # A lease renewed no sooner than it runs out lapses between renewals.
+            raise ImproperlyConfigured(
+                f"GATEWAY_LEASE_RENEW_S ({self.lease_renew_s:g}) must be below GATEWAY_LEASE_S ({self.lease_s:g})"
+            )
 
     def admission_config(self) -> AdmissionConfig:
         """The state machine's parameters: a waiter waits the acquire timeout (seed 002)."""
@@ -65,29 +87,7 @@ class GatewayConfig:
 
     @classmethod
     def from_settings(cls, **overrides: Any) -> GatewayConfig:
-        redis_url = _setting("REDIS_URL", "")
-        values: dict[str, Any] = {
-            "redis_url": redis_url,
-            "state_backend": _setting("GATEWAY_STATE_BACKEND", "redis" if redis_url else "memory"),
-            "fail_open": _setting("GATEWAY_FAIL_OPEN", False),
-            "max_body_bytes": _setting("GATEWAY_MAX_BODY_BYTES", cls.max_body_bytes),
-            "max_tokens_limit": _setting("GATEWAY_MAX_TOKENS_LIMIT", cls.max_tokens_limit),
-            "default_max_tokens": _setting("GATEWAY_DEFAULT_MAX_TOKENS", cls.default_max_tokens),
-            "context_window": _setting("GATEWAY_CONTEXT_WINDOW", cls.context_window),
-            "tokenize": _setting("GATEWAY_TOKENIZE", cls.tokenize),
-            "snapshot_poll_s": _setting("GATEWAY_SNAPSHOT_POLL_S", cls.snapshot_poll_s),
-            "aimd_tick_s": _setting("GATEWAY_AIMD_TICK_S", cls.aimd_tick_s),
-            "aimd_window_s": _setting("GATEWAY_AIMD_WINDOW_S", cls.aimd_window_s),
-            "ttft_target_s": _setting("GATEWAY_TTFT_TARGET_S", cls.ttft_target_s),
-            "budget_min_fraction": _setting("GATEWAY_BUDGET_MIN_FRACTION", cls.budget_min_fraction),
-            "acquire_timeout_s": _setting("GATEWAY_ACQUIRE_TIMEOUT_S", cls.acquire_timeout_s),
-            "queue_max_default": _setting("GATEWAY_QUEUE_MAX", cls.queue_max_default),
-            "health_interval_s": _setting("GATEWAY_HEALTH_INTERVAL_S", cls.health_interval_s),
-            "usage_flush_s": _setting("GATEWAY_USAGE_FLUSH_S", cls.usage_flush_s),
-            "saturation_admission": _setting("GATEWAY_SATURATION_ADMISSION", cls.saturation_admission),
-            "drain_timeout_s": _setting("GATEWAY_DRAIN_TIMEOUT_S", cls.drain_timeout_s),
-            "lease_s": _setting("GATEWAY_LEASE_S", cls.lease_s),
-            "lease_renew_s": _setting("GATEWAY_LEASE_RENEW_S", cls.lease_renew_s),
-        }
+        """The configuration from `django.conf.settings`, with `overrides` (field names) on top."""
+        values: dict[str, Any] = {name: getattr(settings, setting) for name, setting in SETTING_NAMES.items()}
         values.update(overrides)
         return cls(**values)

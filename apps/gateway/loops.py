@@ -53,12 +53,13 @@ _control_guard = threading.Lock()
 def ticks_mode() -> str:
     """'celery' when a real broker is configured (beat + worker run the ticks), else 'in-process'.
 
-    `TOKENPOOLS_TICKS` forces one: 'celery', 'in-process' or 'off'."""
+    The setting `TOKENPOOLS_TICKS` forces one: 'celery', 'in-process' or 'off' ('auto' or unset: the broker
+    decides)."""
     forced = getattr(settings, "TOKENPOOLS_TICKS", None)
-    if forced:
+    if forced and str(forced).strip().lower() != "auto":
         mode = str(forced).strip().lower().replace("_", "-")
         if mode not in TICK_MODES:
-            raise ValueError(f"TOKENPOOLS_TICKS must be celery, in-process or off, got {forced!r}")
+            raise ValueError(f"TOKENPOOLS_TICKS must be auto, celery, in-process or off, got {forced!r}")
         return mode
     broker = getattr(settings, "CELERY_BROKER_URL", "memory://") or "memory://"
     return "in-process" if broker.startswith("memory://") else "celery"

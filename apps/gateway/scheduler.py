@@ -31,12 +31,12 @@ from typing import Any
 
 from apps.gateway.errors import GatewayError, rejected, unavailable
 from apps.gateway.state import GatewayStateStore, SlotGrant, SlotRequest, StateStoreUnavailable
-from apps.policy import AimdController, BudgetScheduler, FlowConfig, LatencyHistogram
+from apps.policy import CLASS_TRAITS, AimdController, BudgetScheduler, FlowConfig, LatencyHistogram
 
 logger = logging.getLogger(__name__)
 
 # DRR weights per service class: integer shares of the budget when every flow is backlogged.
-CLASS_DRR_WEIGHTS = {"dedicated": 8, "guaranteed": 8, "elastic": 4, "spot": 1, "preemptible": 1}
+CLASS_DRR_WEIGHTS = {str(cls): traits.drr_weight for cls, traits in CLASS_TRAITS.items()}
 QUEUE_FULL = "queue_full"
 QUEUE_TIMEOUT = "queue_timeout"
 # A shared slot's lease: renewed every LEASE_RENEW_S (10 s) by the gateway's lease tick while its request

@@ -11,7 +11,8 @@ Module map (public API importable from `apps.policy`)
 ----------------------------------------------------
 classes.py      `Dimension`, `ResourceVector` (tokens/s, KV bytes, concurrency: 000 s3.1);
                 `ServiceClass` with `ClassTraits` (000 s3.2 Table 1: base weights 1000/1000/100/1/0.1,
-                baseline reserved/time-averaged/none, burst, shrink/evict), `SloTier`, default tier
+                baseline reserved/time-averaged/none, burst, shrink/evict, DRR weight 8/8/4/1/1;
+                the project's one class table), `SloTier`, default tier
                 per class (dedicated, guaranteed -> critical; elastic -> standard; spot -> sheddable;
                 preemptible -> background), `effective_slo_tier` (request > entitlement > class).
 priority.py     `priority_weight` = 000 eq. (1); `service_gap`, `debt_update` = eq. (2) (gamma_d 0.7);

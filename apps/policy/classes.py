@@ -2,6 +2,9 @@
 
 Three schedulable dimensions: token throughput (tokens/s), KV cache (bytes) and concurrency
 (active sequences). Five service classes with the paper's base weights and protection semantics.
+
+`CLASS_TRAITS` is the project's one table of the service classes: the Django models (choices, weights,
+which classes bind capacity), the API's help texts and the gateway's DRR shares are all derived from it.
 """
 
 from __future__ import annotations
@@ -70,11 +73,18 @@ class ClassTraits:
     may_burst: bool
     shrink: Shrink
     default_slo_tier: SloTier
+    # The class's integer share of a pool's dispatch budget when every flow is backlogged (seed 002's DRR).
+    drr_weight: int
 
     @property
     def reserved(self) -> bool:
         """Dedicated and guaranteed capacity is held for the entitlement even while it is idle."""
         return self.baseline is Baseline.RESERVED
+
+    @property
+    def binds_capacity(self) -> bool:
+        """Binding fits the baseline into the pool's capacity: reserved, or time-averaged for elastic."""
+        return self.baseline is not Baseline.NONE
 
     @property
     def accrues_debt(self) -> bool:
@@ -97,6 +107,10 @@ class ServiceClass(enum.StrEnum):
     def traits(self) -> ClassTraits:
         return CLASS_TRAITS[self]
 
+    @property
+    def label(self) -> str:
+        return self.value.capitalize()
+
     @classmethod
     def parse(cls, value: ServiceClass | str) -> ServiceClass:
         if isinstance(value, ServiceClass):
@@ -109,11 +123,12 @@ class ServiceClass(enum.StrEnum):
 
 
 CLASS_TRAITS: dict[ServiceClass, ClassTraits] = {
-    ServiceClass.DEDICATED: ClassTraits(1000.0, Baseline.RESERVED, True, Shrink.NEVER, SloTier.CRITICAL),
-    ServiceClass.GUARANTEED: ClassTraits(1000.0, Baseline.RESERVED, False, Shrink.NEVER, SloTier.CRITICAL),
-    ServiceClass.ELASTIC: ClassTraits(100.0, Baseline.TIME_AVERAGED, True, Shrink.YES, SloTier.STANDARD),
-    ServiceClass.SPOT: ClassTraits(1.0, Baseline.NONE, True, Shrink.YES, SloTier.SHEDDABLE),
-    ServiceClass.PREEMPTIBLE: ClassTraits(0.1, Baseline.NONE, True, Shrink.EVICT, SloTier.BACKGROUND),
+    # base weight, baseline, may burst, shrink, default SLO tier, DRR weight
+    ServiceClass.DEDICATED: ClassTraits(1000.0, Baseline.RESERVED, True, Shrink.NEVER, SloTier.CRITICAL, 8),
+    ServiceClass.GUARANTEED: ClassTraits(1000.0, Baseline.RESERVED, False, Shrink.NEVER, SloTier.CRITICAL, 8),
+    ServiceClass.ELASTIC: ClassTraits(100.0, Baseline.TIME_AVERAGED, True, Shrink.YES, SloTier.STANDARD, 4),
+    ServiceClass.SPOT: ClassTraits(1.0, Baseline.NONE, True, Shrink.YES, SloTier.SHEDDABLE, 1),
+    ServiceClass.PREEMPTIBLE: ClassTraits(0.1, Baseline.NONE, True, Shrink.EVICT, SloTier.BACKGROUND, 1),
 }
 
 

@@ -23,7 +23,7 @@ from rest_framework.views import APIView
 
 from apps.pools import selectors, services
 from apps.pools.manifests import ManifestError, manifests_apply, manifests_export
-from apps.pools.models import EntitlementState, ServiceClass, TokenEntitlement, TokenPool
+from apps.pools.models import SERVICE_CLASS_CHOICES, EntitlementState, TokenEntitlement, TokenPool
 from apps.pools.serializers import (
     ApplyRequestSerializer,
     EntitlementSerializer,
@@ -75,7 +75,7 @@ class PoolViewSet(viewsets.ModelViewSet):
 
 class EntitlementFilter(django_filters.FilterSet):
     state = django_filters.ChoiceFilter(choices=EntitlementState.choices, method="filter_state")
-    service_class = django_filters.ChoiceFilter(choices=ServiceClass.choices)
+    service_class = django_filters.ChoiceFilter(choices=SERVICE_CLASS_CHOICES)
     pool = django_filters.CharFilter(field_name="pool__name")
     tenant = django_filters.CharFilter(field_name="tenant__slug")
 

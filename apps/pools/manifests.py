@@ -33,7 +33,8 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from apps.pools.models import BackendKind, ServiceClass, TokenEntitlement, TokenPool
+from apps.policy import ServiceClass
+from apps.pools.models import BackendKind, TokenEntitlement, TokenPool
 from apps.pools.services import (
     _check_pool,
     _clean_replicas,
@@ -342,8 +343,9 @@ def _read_pool(r: _Reader) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def _read_entitlement(r: _Reader) -> dict[str, Any]:
     service_class = r.string("spec.qos.serviceClass")
-    if service_class is not None and service_class not in ServiceClass.values:
-        r._fail("spec.qos.serviceClass", f"unknown service class {service_class!r}; one of {', '.join(ServiceClass.values)}")
+    known = [str(cls) for cls in ServiceClass]
+    if service_class is not None and service_class not in known:
+        r._fail("spec.qos.serviceClass", f"unknown service class {service_class!r}; one of {', '.join(known)}")
     return {
         "tenant_slug": r.string("spec.tenantId"),
         "pool_name": r.string("spec.poolRef.name"),

@@ -14,6 +14,9 @@ from django.core.validators import MinValueValidator, RegexValidator, URLValidat
 from django.db import models
 from django.utils import timezone
 
+from apps.policy import CLASS_TRAITS, ServiceClass
+from apps.policy.classes import Baseline, Shrink
+
 GIB = 1024**3
 
 name_validator = RegexValidator(
@@ -157,38 +160,27 @@ class Replica(models.Model):
         return f"{self.pool.name}: {self.url}"
 
 
-class ServiceClass(models.TextChoices):
-    DEDICATED = "dedicated", "Dedicated"
-    GUARANTEED = "guaranteed", "Guaranteed"
-    ELASTIC = "elastic", "Elastic"
-    SPOT = "spot", "Spot"
-    PREEMPTIBLE = "preemptible", "Preemptible"
-
-
-# Seed 000, Table 1: base weights, baseline semantics and burst rights of each class (keys: ServiceClass values).
-SERVICE_CLASS_WEIGHT: dict[str, float] = {
-    "dedicated": 1000.0,
-    "guaranteed": 1000.0,
-    "elastic": 100.0,
-    "spot": 1.0,
-    "preemptible": 0.1,
-}
-SERVICE_CLASS_BASELINE: dict[str, str] = {
-    "dedicated": "reserved",
-    "guaranteed": "reserved",
-    "elastic": "time-averaged",
-    "spot": "none",
-    "preemptible": "none",
-}
-SERVICE_CLASS_BURST: dict[str, bool] = {
-    "dedicated": True,
-    "guaranteed": False,
-    "elastic": True,
-    "spot": True,
-    "preemptible": True,
-}
+# The service classes come from the policy core's one table (apps.policy.classes.CLASS_TRAITS); the field's
+# choices are the same list as in migration 0001, so deriving them changes no schema.
+SERVICE_CLASS_CHOICES: list[tuple[str, str]] = [(str(cls), cls.label) for cls in ServiceClass]
+# Seed 000, Table 1: the base weight of each class (keys: ServiceClass values).
+SERVICE_CLASS_WEIGHT: dict[str, float] = {str(cls): traits.base_weight for cls, traits in CLASS_TRAITS.items()}
 # Classes whose baselines count against pool capacity when binding (elastic as a time-averaged reservation).
-RESERVING_CLASSES = frozenset({"dedicated", "guaranteed", "elastic"})
+RESERVING_CLASSES = frozenset(str(cls) for cls, traits in CLASS_TRAITS.items() if traits.binds_capacity)
+_BASELINE_WORDS = {Baseline.RESERVED: "reserved baseline", Baseline.TIME_AVERAGED: "time-averaged baseline",
+                   Baseline.NONE: "no baseline"}
+_SHRINK_WORDS = {Shrink.NEVER: "never shrinks", Shrink.YES: "shrinkable", Shrink.EVICT: "evicted first"}
+
+
+def _class_help(cls: ServiceClass) -> str:
+    traits = cls.traits
+    burst = "may burst" if traits.may_burst else "no burst"
+    return (f"{cls}: weight {traits.base_weight:g}, {_BASELINE_WORDS[traits.baseline]}, {burst}, "
+            f"{_SHRINK_WORDS[traits.shrink]}")
+
+
+# The classes in one line each, for help texts (API schema, entitlement form).
+SERVICE_CLASS_HELP = "; ".join(_class_help(cls) for cls in ServiceClass)
 
 
 class EntitlementState(models.TextChoices):
@@ -203,7 +195,7 @@ class TokenEntitlement(models.Model):
     tenant = models.ForeignKey("tenancy.Tenant", on_delete=models.CASCADE, related_name="entitlements")
     # PROTECT: a pool with entitlements cannot vanish under them; delete the entitlements first.
     pool = models.ForeignKey(TokenPool, on_delete=models.PROTECT, related_name="entitlements")
-    service_class = models.CharField(max_length=16, choices=ServiceClass.choices)
+    service_class = models.CharField(max_length=16, choices=SERVICE_CLASS_CHOICES)
     slo_target_ms = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     tokens_per_second = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     kv_cache_gib = models.DecimalField(max_digits=12, decimal_places=3, validators=[MinValueValidator(Decimal("0.001"))])

@@ -42,6 +42,14 @@ def pool_get(*, user: AnyUser, name: str) -> TokenPool:
         raise Http404(f"no pool {name!r}") from exc
 
 
+def pool_list_for_tenant(*, tenant: Tenant) -> list[TokenPool]:
+    """The pools the tenant holds entitlements in (system-wide: for an operation that checked its actor).
+
+    By id: the order every writer locks pools in, so that two rebinding operations never deadlock.
+    """
+    return list(TokenPool.objects.filter(entitlements__tenant=tenant).distinct().order_by("pk"))
+
+
 @dataclass(frozen=True)
 class PoolUsage:
     """A pool's capacity against what its Bound entitlements reserve (for the UI and the API)."""

@@ -7,11 +7,12 @@ from typing import Any
 from rest_framework import serializers
 
 from apps.pools.models import (
+    SERVICE_CLASS_CHOICES,
+    SERVICE_CLASS_HELP,
     SERVICE_CLASS_WEIGHT,
     BackendKind,
     Capacity,
     EntitlementStateChange,
-    ServiceClass,
     TokenEntitlement,
     TokenPool,
 )
@@ -108,9 +109,12 @@ class EntitlementSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.none(),
                                           help_text="tenant slug")
     pool = serializers.SlugRelatedField(slug_field="name", queryset=TokenPool.objects.all(), help_text="pool name")
-    service_class = serializers.ChoiceField(choices=ServiceClass.choices)
+    service_class = serializers.ChoiceField(choices=SERVICE_CLASS_CHOICES, help_text=SERVICE_CLASS_HELP)
     kv_cache_gib = serializers.DecimalField(max_digits=12, decimal_places=3)
-    weight = serializers.SerializerMethodField(help_text="base weight of the service class (seed Table 1)")
+    weight = serializers.SerializerMethodField(
+        help_text="base weight of the service class (seed Table 1): "
+        + ", ".join(f"{name} {weight:g}" for name, weight in SERVICE_CLASS_WEIGHT.items())
+    )
 
     class Meta:
         model = TokenEntitlement

@@ -43,8 +43,8 @@ from apps.pools.models import (
 )
 from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import Tenant
+from apps.tenancy.permissions import require_owner, require_superuser
 from apps.tenancy.selectors import user_role
-from apps.tenancy.services import require_owner, require_superuser
 
 POOL_FIELDS = (
     "model_name",

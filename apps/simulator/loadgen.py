@@ -31,7 +31,6 @@ from apps.simulator.engine import EventLoop
 from apps.simulator.instance import SimRequest
 from apps.simulator.workload import LengthSpec, RatePhase, TenantSpec, Workload, WorkloadError
 
-DEFAULT_KEYS_FILE = Path("var/demo-keys.json")
 STREAM_FIELDS = {"name", "key", "rate", "concurrency", "arrival", "cv", "input", "output", "stream",
                  "phases", "endpoint", "start", "stop"}
 SCENARIO_FIELDS = {"model", "duration", "seed", "streams", "timeout"}
@@ -500,10 +499,6 @@ def summary_table(stats: Mapping[str, StreamStats], elapsed: float) -> str:
     lines.append(f"{elapsed:.1f}s; capped = cap of requests in flight reached, held = inside a 429's Retry-After"
                  " (neither was sent)")
     return "\n".join(lines)
-
-
-def env_keys_file(env: Mapping[str, str] | None = None) -> Path:
-    return Path((env or os.environ).get("TOKENPOOLS_DEMO_KEYS", str(DEFAULT_KEYS_FILE)))
 
 
 def main(

@@ -1,6 +1,8 @@
-"""DRF permission classes for the platform-operator-only actions.
+"""Who may do what: the rule checks the services call, and DRF permission classes for the REST API.
 
-Everything tenant-scoped is decided by the services (403) and the selectors (404); these classes only
+The `require_*` checks raise `django.core.exceptions.PermissionDenied` (403); every service of tenancy
+and pools calls them before it writes, with the role rules documented in `apps.tenancy.models`.
+Everything tenant-scoped is decided by the services (403) and the selectors (404); the DRF classes only
 refuse early what no tenant user may do at all, before any input is parsed.
 """
 
@@ -8,7 +10,43 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
 from rest_framework.permissions import SAFE_METHODS, BasePermission
+
+from apps.tenancy.actors import AnyUser
+from apps.tenancy.models import ApiKey, Role, Tenant
+from apps.tenancy.selectors import user_role
+
+# --- rule checks of the services ---------------------------------------------------------------------
+
+
+def require_superuser(actor: AnyUser, action: str) -> None:
+    if not (getattr(actor, "is_active", False) and getattr(actor, "is_superuser", False)):
+        raise PermissionDenied(f"only platform operators (superusers) may {action}")
+
+
+def require_owner(actor: AnyUser, tenant: Tenant, action: str) -> None:
+    """Owners of the tenant (and superusers, who count as owners of every tenant)."""
+    if user_role(user=actor, tenant=tenant) != Role.OWNER:
+        raise PermissionDenied(f"only owners of tenant {tenant.slug!r} may {action}")
+
+
+def require_member(actor: AnyUser, tenant: Tenant, action: str) -> None:
+    """Owners and members of the tenant (and superusers)."""
+    if user_role(user=actor, tenant=tenant) is None:
+        raise PermissionDenied(f"only users of tenant {tenant.slug!r} may {action}")
+
+
+def require_key_revoker(actor: AnyUser, key: ApiKey) -> None:
+    """Owners revoke any key of their tenant (superusers any key); members only the keys they created."""
+    role = user_role(user=actor, tenant=key.tenant)
+    if role is None:
+        raise PermissionDenied("not your key")
+    if role != Role.OWNER and key.created_by_id != getattr(actor, "pk", None):
+        raise PermissionDenied("members may only revoke the keys they created")
+
+
+# --- DRF permission classes --------------------------------------------------------------------------
 
 
 def _is_operator(request: Any) -> bool:

@@ -1,19 +1,20 @@
-"""REST representations of tenants, users, memberships and API keys (snake_case fields)."""
+"""REST representations of tenants, users and memberships (snake_case fields).
+
+API keys name an entitlement (pools), so their serializer lives one layer up: `apps.operations.serializers`.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.contrib.auth.models import AbstractBaseUser
 from rest_framework import serializers
 
-from apps.pools.selectors import entitlement_list
-from apps.tenancy.models import ApiKey, Membership, Role, Tenant
+from apps.tenancy.models import Membership, Role, Tenant
 from apps.tenancy.selectors import tenant_list, user_role
 
 
-def _request_user(serializer: serializers.Serializer) -> Any:
+def request_user(serializer: serializers.Serializer) -> Any:
     request = serializer.context.get("request")
     return getattr(request, "user", None)
 
@@ -32,7 +33,7 @@ class TenantSerializer(serializers.ModelSerializer):
 
 
 def _role_of(serializer: serializers.Serializer, tenant: Tenant) -> str | None:
-    return user_role(user=_request_user(serializer), tenant=tenant)
+    return user_role(user=request_user(serializer), tenant=tenant)
 
 
 class UserSerializer(serializers.ModelSerializer):
@@ -46,7 +47,7 @@ class UserSerializer(serializers.ModelSerializer):
         extra_kwargs: dict[str, dict[str, Any]] = {"username": {"validators": []}}
 
     def get_roles(self, obj: Any) -> list[dict[str, str]]:
-        visible = tenant_list(user=_request_user(self))
+        visible = tenant_list(user=request_user(self))
         return [
             {"tenant": m.tenant.slug, "role": m.role}
             for m in obj.memberships.select_related("tenant").filter(tenant__in=visible)
@@ -66,7 +67,7 @@ class MembershipSerializer(serializers.ModelSerializer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        user = _request_user(self)
+        user = request_user(self)
         if user is not None:
             tenant_field, user_field = self.fields["tenant"], self.fields["user"]
             assert isinstance(tenant_field, serializers.RelatedField)  # both declared above
@@ -76,39 +77,3 @@ class MembershipSerializer(serializers.ModelSerializer):
             tenant_field.queryset = tenant_list(user=user)  # type: ignore[arg-type]
             # Any existing login may be added to a tenant by its owner (superusers create the logins).
             user_field.queryset = get_user_model().objects.filter(is_active=True)  # type: ignore[arg-type]
-
-
-class ApiKeySerializer(serializers.ModelSerializer):
-    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
-        slug_field="slug", read_only=True
-    )
-    entitlement = serializers.SlugRelatedField(slug_field="name", queryset=ApiKey.objects.none())
-    created_by: serializers.SlugRelatedField[AbstractBaseUser] = serializers.SlugRelatedField(
-        slug_field="username", read_only=True
-    )
-    status = serializers.CharField(read_only=True)
-
-    class Meta:
-        model = ApiKey
-        fields = ["id", "name", "prefix", "tenant", "entitlement", "status", "created_by", "created_at",
-                  "expires_at", "revoked_at", "last_used_at"]
-        read_only_fields = ["id", "prefix", "tenant", "status", "created_by", "created_at", "revoked_at",
-                            "last_used_at"]
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        user = _request_user(self)
-        if user is not None:
-            entitlement_field = self.fields["entitlement"]
-            assert isinstance(entitlement_field, serializers.RelatedField)  # declared above
-            # The ignore: a clash of the stubs on RelatedField.queryset, see MembershipSerializer.__init__.
-            entitlement_field.queryset = entitlement_list(user=user)  # type: ignore[arg-type]
-
-
-class ApiKeyCreatedSerializer(ApiKeySerializer):
-    """The creation response: the only time the secret is ever shown."""
-
-    secret = serializers.CharField(read_only=True, help_text="shown once; store it now, it cannot be retrieved")
-
-    class Meta(ApiKeySerializer.Meta):
-        fields = [*ApiKeySerializer.Meta.fields, "secret"]

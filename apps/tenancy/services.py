@@ -1,9 +1,12 @@
 """Writes for tenants, memberships, users and API keys.
 
 Every service takes the acting user as ``actor`` and checks the role rules documented in
-``apps.tenancy.models``. Failures raise ``django.core.exceptions.ValidationError`` (with a field ->
+``apps.tenancy.models`` (the checks live in ``apps.tenancy.permissions``). Failures raise ``django.core.exceptions.ValidationError`` (with a field ->
 messages dict) for bad input and ``django.core.exceptions.PermissionDenied`` for a forbidden action;
 nothing is written in either case (each service runs in one transaction).
+
+Deleting a tenant also rebinds the pools its entitlements held capacity in, so it spans tenancy and pools
+and lives one layer above both: ``apps.operations.tenants.tenant_delete``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from django.contrib.auth import get_user_model
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -22,21 +25,12 @@ from apps.tenancy.actors import SYSTEM as SYSTEM
 from apps.tenancy.actors import AnyUser
 from apps.tenancy.actors import SystemActor as SystemActor
 from apps.tenancy.models import ApiKey, Membership, Role, Tenant
-from apps.tenancy.selectors import apikey_hash, user_role
+from apps.tenancy.permissions import require_key_revoker, require_member, require_owner, require_superuser
+from apps.tenancy.selectors import apikey_hash
 
 KEY_PREFIX = "tp-"
 # How many characters of the secret (after "tp-") are kept to show the key in lists.
 DISPLAY_PREFIX_CHARS = 8
-
-
-def require_superuser(actor: AnyUser, action: str) -> None:
-    if not (getattr(actor, "is_active", False) and getattr(actor, "is_superuser", False)):
-        raise PermissionDenied(f"only platform operators (superusers) may {action}")
-
-
-def require_owner(actor: AnyUser, tenant: Tenant, action: str) -> None:
-    if user_role(user=actor, tenant=tenant) != Role.OWNER:
-        raise PermissionDenied(f"only owners of tenant {tenant.slug!r} may {action}")
 
 
 def _full_clean(obj: Any, exclude: list[str] | None = None) -> None:
@@ -67,18 +61,6 @@ def tenant_update(*, actor: AnyUser, tenant: Tenant, name: str | None = None, sl
     _full_clean(tenant)
     tenant.save()
     return tenant
-
-
-@transaction.atomic
-def tenant_delete(*, actor: AnyUser, tenant: Tenant) -> None:
-    """Delete a tenant with its memberships, entitlements and keys (superusers only); rebinds its pools."""
-    require_superuser(actor, "delete tenants")
-    from apps.pools.services import pool_rebind  # pools depends on tenancy, import late
-
-    pools = list({e.pool for e in tenant.entitlements.select_related("pool")})
-    tenant.delete()
-    for pool in pools:
-        pool_rebind(pool=pool, reason=f"tenant {tenant.slug} deleted")
 
 
 # --- users and memberships ---------------------------------------------------------------------------
@@ -161,8 +143,7 @@ def apikey_create(
     Owners and members of the entitlement's tenant (and superusers) may create keys.
     """
     tenant = entitlement.tenant
-    if user_role(user=actor, tenant=tenant) is None:
-        raise PermissionDenied(f"only users of tenant {tenant.slug!r} may create its keys")
+    require_member(actor, tenant, "create its keys")
     now = now or timezone.now()
     if expires_at is not None and expires_at <= now:
         raise ValidationError({"expires_at": ["must be in the future"]})
@@ -195,11 +176,7 @@ def apikey_create(
 @transaction.atomic
 def apikey_revoke(*, actor: AnyUser, key: ApiKey, now: datetime | None = None) -> ApiKey:
     """Revoke a key (owners and superusers; members only the keys they created). Revoking twice is a no-op."""
-    role = user_role(user=actor, tenant=key.tenant)
-    if role is None:
-        raise PermissionDenied("not your key")
-    if role != Role.OWNER and key.created_by_id != getattr(actor, "pk", None):
-        raise PermissionDenied("members may only revoke the keys they created")
+    require_key_revoker(actor, key)
     if key.revoked_at is None:
         key.revoked_at = now or timezone.now()
         key.save(update_fields=["revoked_at"])

@@ -31,6 +31,10 @@ def test_class_table_matches_seed_table_1() -> None:
     assert ServiceClass.PREEMPTIBLE.traits.evictable and not ServiceClass.SPOT.traits.evictable
     assert not ServiceClass.SPOT.traits.accrues_debt and not ServiceClass.PREEMPTIBLE.traits.accrues_debt
     assert ServiceClass.ELASTIC.traits.accrues_debt
+    assert [c.value for c in ServiceClass if c.traits.binds_capacity] == ["dedicated", "guaranteed", "elastic"]
+    # Seed 002's DRR shares of the dispatch budget.
+    assert {cls.value: traits.drr_weight for cls, traits in CLASS_TRAITS.items()} == {
+        "dedicated": 8, "guaranteed": 8, "elastic": 4, "spot": 1, "preemptible": 1}
 
 
 def test_default_slo_tiers_and_overrides() -> None:

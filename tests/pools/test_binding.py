@@ -12,7 +12,14 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apps.pools.models import GIB, SERVICE_CLASS_WEIGHT, EntitlementStateChange, TokenEntitlement
+from apps.pools.models import (
+    GIB,
+    RESERVING_CLASSES,
+    SERVICE_CLASS_HELP,
+    SERVICE_CLASS_WEIGHT,
+    EntitlementStateChange,
+    TokenEntitlement,
+)
 from apps.pools.selectors import pool_reserved, pool_usage
 from apps.pools.services import (
     entitlement_delete,
@@ -54,6 +61,21 @@ def test_service_class_weights_follow_table_1() -> None:
     assert SERVICE_CLASS_WEIGHT == {
         "dedicated": 1000.0, "guaranteed": 1000.0, "elastic": 100.0, "spot": 1.0, "preemptible": 0.1
     }
+
+
+def test_the_models_class_tables_derive_from_the_policy_table() -> None:
+    from apps.gateway.scheduler import CLASS_DRR_WEIGHTS
+    from apps.policy import CLASS_TRAITS
+
+    # The choices migration 0001 holds: deriving them from the policy changes no schema.
+    assert TokenEntitlement._meta.get_field("service_class").choices == [
+        ("dedicated", "Dedicated"), ("guaranteed", "Guaranteed"), ("elastic", "Elastic"), ("spot", "Spot"),
+        ("preemptible", "Preemptible")]
+    assert set(RESERVING_CLASSES) == set(RESERVING)
+    assert {str(cls): traits.drr_weight for cls, traits in CLASS_TRAITS.items()} == CLASS_DRR_WEIGHTS
+    assert CLASS_DRR_WEIGHTS["guaranteed"] == 8 and CLASS_DRR_WEIGHTS["preemptible"] == 1
+    assert "guaranteed: weight 1000, reserved baseline, no burst, never shrinks" in SERVICE_CLASS_HELP
+    assert "preemptible: weight 0.1, no baseline, may burst, evicted first" in SERVICE_CLASS_HELP
 
 
 @pytest.mark.django_db

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.test import override_settings
 
 from apps.pools.models import TokenEntitlement, TokenPool
 from apps.tenancy.models import ApiKey, Membership
@@ -87,9 +88,8 @@ def test_create_key_prints_only_the_secret(acme: Any) -> None:
 
 
 @pytest.mark.django_db
-def test_seed_demo_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TOKENPOOLS_ADMIN_PASSWORD", "admin-pass-for-tests")
-    monkeypatch.delenv("TOKENPOOLS_DEMO_PASSWORD", raising=False)
+@override_settings(TOKENPOOLS_ADMIN_PASSWORD="admin-pass-for-tests", TOKENPOOLS_DEMO_PASSWORD="")
+def test_seed_demo_is_idempotent() -> None:
     out, _ = run("seed_demo")
     admin = get_user_model().objects.get(username="admin")
     assert admin.is_superuser and admin.check_password("admin-pass-for-tests")
@@ -113,8 +113,8 @@ def test_seed_demo_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.django_db
-def test_seed_demo_generates_and_prints_a_password_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOKENPOOLS_ADMIN_PASSWORD", raising=False)
+@override_settings(TOKENPOOLS_ADMIN_PASSWORD="")
+def test_seed_demo_generates_and_prints_a_password_once() -> None:
     out, _ = run("seed_demo")
     line = next(line for line in out.splitlines() if line.startswith("created superuser admin"))
     password = line.rsplit(" ", 1)[1]
@@ -124,13 +124,11 @@ def test_seed_demo_generates_and_prints_a_password_once(monkeypatch: pytest.Monk
 
 
 @pytest.mark.django_db
-def test_seed_demo_write_keys_writes_valid_keys_once_with_mode_0600(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@override_settings(TOKENPOOLS_ADMIN_PASSWORD="admin-pass-for-tests")
+def test_seed_demo_write_keys_writes_valid_keys_once_with_mode_0600(tmp_path: Path) -> None:
     import json
     import stat
 
-    monkeypatch.setenv("TOKENPOOLS_ADMIN_PASSWORD", "admin-pass-for-tests")
     keys_file = tmp_path / "var" / "demo-keys.json"
     out, _ = run("seed_demo", "--write-keys", str(keys_file))
     keys = json.loads(keys_file.read_text())
@@ -158,8 +156,8 @@ def test_seed_demo_write_keys_writes_valid_keys_once_with_mode_0600(
 
 
 @pytest.mark.django_db
+@override_settings(TOKENPOOLS_ADMIN_PASSWORD="admin-pass-for-tests")
 def test_seed_demo_without_write_keys_writes_no_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("TOKENPOOLS_ADMIN_PASSWORD", "admin-pass-for-tests")
     monkeypatch.chdir(tmp_path)
     run("seed_demo")
     assert list(tmp_path.rglob("*")) == []

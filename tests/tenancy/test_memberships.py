@@ -8,11 +8,9 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied, ValidationError
 
-from apps.pools.models import TokenEntitlement
-from apps.tenancy.models import Membership, Tenant
+from apps.tenancy.models import Membership
 from apps.tenancy.selectors import tenant_list, user_role
-from apps.tenancy.services import membership_remove, membership_set, tenant_create, tenant_delete, user_create
-from tests.pools.factories import make_entitlement
+from apps.tenancy.services import membership_remove, membership_set, tenant_create, user_create
 from tests.pools.test_api_isolation import client_as
 
 
@@ -60,18 +58,6 @@ def test_only_superusers_create_tenants_and_users(owner: Any, admin: Any) -> Non
     assert not get_user_model().objects.filter(username="weak").exists()
     user = user_create(actor=admin, username="newbie", password="a-much-longer-pass-987")
     assert user.check_password("a-much-longer-pass-987") and not user.is_superuser
-
-
-@pytest.mark.django_db
-def test_deleting_a_tenant_frees_its_reservations(admin: Any, acme: Any, globex: Any, pool: Any) -> None:
-    make_entitlement(admin, acme, pool, "acme-big", concurrency=16)
-    waiting = make_entitlement(admin, globex, pool, "globex-wait", concurrency=4)
-    assert waiting.state == "Degraded"
-    tenant_delete(actor=admin, tenant=acme)
-    waiting.refresh_from_db()
-    assert waiting.state == "Bound"
-    assert not Tenant.objects.filter(slug="acme").exists()
-    assert TokenEntitlement.objects.count() == 1
 
 
 @pytest.mark.api

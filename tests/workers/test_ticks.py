@@ -29,29 +29,32 @@ def test_registry_has_the_seed_periods() -> None:
         assert callable(spec.resolve())
 
 
-def test_periods_come_from_the_environment_then_settings(monkeypatch: pytest.MonkeyPatch, settings: Any) -> None:
-    settings.TOKENPOOLS_TICK_PERIODS = {"aimd": 2.5, "scrape": 7}
-    monkeypatch.setenv("TOKENPOOLS_TICK_SCRAPE_S", "0.5")
-    specs = tick_specs(["aimd", "scrape"])
-    assert (specs["aimd"].period_s, specs["scrape"].period_s) == (2.5, 0.5)
+def test_periods_come_from_settings_else_the_registry(settings: Any) -> None:
+    # TOKENPOOLS_TICK_<NAME>_S in the environment becomes this setting (tests/tokenpools_site/test_settings.py).
+    settings.TOKENPOOLS_TICK_PERIODS = {"aimd": 2.5, "scrape": 0.5}
+    specs = tick_specs(["aimd", "scrape", "ewma"])
+    assert (specs["aimd"].period_s, specs["scrape"].period_s, specs["ewma"].period_s) == (2.5, 0.5, 1.0)
 
 
-def test_unknown_tick_and_bad_period_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unknown_tick_and_bad_period_are_refused(settings: Any) -> None:
     with pytest.raises(KeyError):
         tick_specs(["nope"])
-    monkeypatch.setenv("TOKENPOOLS_TICK_EWMA_S", "0")
+    settings.TOKENPOOLS_TICK_PERIODS = {"ewma": 0}
     with pytest.raises(ValueError):
         tick_specs(["ewma"])
 
 
-def test_ticks_mode_follows_the_broker(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings.TOKENPOOLS_TICKS = ""
+def test_ticks_mode_follows_the_broker(settings: Any) -> None:
+    settings.TOKENPOOLS_TICKS = "auto"
     settings.CELERY_BROKER_URL = "memory://"
     assert ticks_mode() == "in-process"
     settings.CELERY_BROKER_URL = "redis://127.0.0.1:6379/0"
     assert ticks_mode() == "celery"
     settings.TOKENPOOLS_TICKS = "off"
     assert ticks_mode() == "off"
+    settings.TOKENPOOLS_TICKS = "sometimes"
+    with pytest.raises(ValueError, match="TOKENPOOLS_TICKS"):
+        ticks_mode()
 
 
 def test_a_failing_tick_is_logged_and_runs_again(caplog: pytest.LogCaptureFixture) -> None:

@@ -67,8 +67,8 @@ class Command(BaseCommand):
             keys_file = Path(options["write_keys"]) if options["write_keys"] else None
             self._keys(names, keys_file)
 
-    def _password(self, env_name: str) -> tuple[str, bool]:
-        given = os.environ.get(env_name)
+    def _password(self, setting: str) -> tuple[str, bool]:
+        given = getattr(settings, setting)
         return (given, False) if given else (secrets.token_urlsafe(12), True)
 
     def _users_and_tenants(self) -> None:

@@ -8,7 +8,6 @@ seconds of the demo so the picture spans the quiet start and globex-spot's burst
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +29,16 @@ class Command(BaseCommand):
         parser.add_argument("--url", default="http://127.0.0.1:8000", help="the running demo site")
         parser.add_argument("--pool", default="demo-pool")
         parser.add_argument("--username", default="admin")
-        parser.add_argument("--password", default=None, help="default: $TOKENPOOLS_ADMIN_PASSWORD")
+        parser.add_argument("--password", default=None, help="default: TOKENPOOLS_ADMIN_PASSWORD")
         parser.add_argument("--wait", type=float, default=45.0, help="seconds of live updates before the shot")
         parser.add_argument("--out", default=str(Path(settings.BASE_DIR) / "static" / "img" / "dashboard.png"))
-        parser.add_argument("--chromium", default=os.environ.get("TOKENPOOLS_CHROMIUM", "/usr/bin/chromium"))
+        parser.add_argument("--chromium", default=settings.TOKENPOOLS_CHROMIUM)
         parser.add_argument("--width", type=int, default=1400)
 
     def handle(self, *args: Any, **options: Any) -> None:
         from playwright.sync_api import sync_playwright
 
-        password = options["password"] or os.environ.get("TOKENPOOLS_ADMIN_PASSWORD")
+        password = options["password"] or settings.TOKENPOOLS_ADMIN_PASSWORD
         if not password:
             raise CommandError("give --password or set TOKENPOOLS_ADMIN_PASSWORD (the operator's password)")
         if not Path(options["chromium"]).exists():

@@ -23,8 +23,6 @@ import httpx
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.simulator.loadgen import env_keys_file
-
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 DEMO_POOL = "demo-pool"
@@ -71,7 +69,7 @@ class Command(BaseCommand):
         parser.add_argument("--backend-port", type=int, default=8100,
                             help="the virtual vLLM's port (demo-pool's replica is http://127.0.0.1:8100)")
         parser.add_argument("--scenario", default=str(Path(settings.BASE_DIR) / "examples" / "loadgen-demo.yaml"))
-        parser.add_argument("--keys-file", default=str(env_keys_file()))
+        parser.add_argument("--keys-file", default=settings.TOKENPOOLS_DEMO_KEYS)
         parser.add_argument("--loadgen-duration", type=float, default=None,
                             help="run the traffic this many seconds once (default: repeat until stopped)")
         parser.add_argument("--no-loadgen", action="store_true", help="start the backend and the site only")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand
 
 
@@ -14,13 +15,11 @@ class Command(BaseCommand):
     help = "Send a scenario's requests (per-key rates, lengths, phases) to the gateway; summary at the end."
 
     def add_arguments(self, parser: Any) -> None:
-        from apps.simulator.loadgen import env_keys_file
-
         parser.add_argument("--scenario", required=True, help="YAML scenario (see examples/loadgen-demo.yaml)")
         parser.add_argument("--url", default="http://127.0.0.1:8000", help="the site's base URL")
         parser.add_argument("--duration", type=float, default=None, help="seconds (default: the scenario's)")
         parser.add_argument("--seed", type=int, default=None, help="arrival seed (default: the scenario's)")
-        parser.add_argument("--keys-file", default=str(env_keys_file()),
+        parser.add_argument("--keys-file", default=settings.TOKENPOOLS_DEMO_KEYS,
                             help="JSON written by `seed_demo --write-keys`, for keys given as entitlement:NAME")
         parser.add_argument("--repeat", action="store_true",
                             help="start the scenario over when it ends, until stopped (the demo's traffic)")

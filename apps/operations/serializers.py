@@ -1,0 +1,48 @@
+"""REST representation of API keys: a key names an entitlement of pools, so it lives above tenancy and pools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from rest_framework import serializers
+
+from apps.pools.selectors import entitlement_list
+from apps.tenancy.models import ApiKey, Tenant
+from apps.tenancy.serializers import request_user
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
+    entitlement = serializers.SlugRelatedField(slug_field="name", queryset=ApiKey.objects.none())
+    created_by: serializers.SlugRelatedField[AbstractBaseUser] = serializers.SlugRelatedField(
+        slug_field="username", read_only=True
+    )
+    status = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = ApiKey
+        fields = ["id", "name", "prefix", "tenant", "entitlement", "status", "created_by", "created_at",
+                  "expires_at", "revoked_at", "last_used_at"]
+        read_only_fields = ["id", "prefix", "tenant", "status", "created_by", "created_at", "revoked_at",
+                            "last_used_at"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        user = request_user(self)
+        if user is not None:
+            entitlement_field = self.fields["entitlement"]
+            assert isinstance(entitlement_field, serializers.RelatedField)  # declared above
+            # The ignore: a clash of the stubs on RelatedField.queryset, see MembershipSerializer.__init__.
+            entitlement_field.queryset = entitlement_list(user=user)  # type: ignore[arg-type]
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    """The creation response: the only time the secret is ever shown."""
+
+    secret = serializers.CharField(read_only=True, help_text="shown once; store it now, it cannot be retrieved")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "secret"]
