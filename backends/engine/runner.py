@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.eviction import EvictionPolicy, PoolView, ProtectedTokens, make_policy
-from workers.engine.model import ForwardOutput, LlamaModel, SequenceCache
-from workers.engine.scheduler import SamplingParams, SequenceResult, SequenceWork
+from backends.engine.eviction import EvictionPolicy, PoolView, ProtectedTokens, make_policy
+from backends.engine.model import ForwardOutput, LlamaModel, SequenceCache
+from backends.engine.scheduler import SamplingParams, SequenceResult, SequenceWork
 
 
 @dataclass(frozen=True)

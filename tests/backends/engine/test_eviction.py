@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from workers.engine import (
+from backends.engine import (
     BatchSchedulerConfig,
     CompletedEvent,
     CompletionReason,
@@ -15,7 +15,7 @@ from workers.engine import (
     TenantConfig,
     TokenEvent,
 )
-from workers.engine.eviction import (
+from backends.engine.eviction import (
     POLICIES,
     H2OPolicy,
     PoolView,
@@ -27,7 +27,7 @@ from workers.engine.eviction import (
     same_flags,
     sparse_nonzero,
 )
-from workers.engine.runner import EngineRunner, RunnerConfig
+from backends.engine.runner import EngineRunner, RunnerConfig
 
 
 def run_workload(
@@ -188,7 +188,7 @@ def test_unknown_policy_is_refused():
 
 
 def test_return_predictor_learns_returns_from_logits_self_supervised():
-    from workers.engine.eviction import ReturnPredictor
+    from backends.engine.eviction import ReturnPredictor
 
     vocab, slots = 32, 64
     generator = torch.Generator().manual_seed(0)

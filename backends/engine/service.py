@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.engine.runner import EngineRunner, RunnerConfig, budget_tokens_for
-from workers.engine.scheduler import (
+from backends.engine.runner import EngineRunner, RunnerConfig, budget_tokens_for
+from backends.engine.scheduler import (
     AdmissionRejectedEvent,
     BatchSchedulerConfig,
     CompletedEvent,
@@ -79,7 +79,7 @@ class Engine:
         self.tokenizer_config = (
             json.loads(tokenizer_config_path.read_text()) if tokenizer_config_path.exists() else {}
         )
-        from workers.engine.model import DTYPES, LlamaConfig
+        from backends.engine.model import DTYPES, LlamaConfig
 
         if settings.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {settings.dtype!r}; choose from {', '.join(DTYPES)}")

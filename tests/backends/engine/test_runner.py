@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from workers.engine import (
+from backends.engine import (
     BatchSchedulerConfig,
     CompletedEvent,
     ContinuousBatchScheduler,
@@ -14,7 +14,7 @@ from workers.engine import (
     TenantConfig,
     TokenEvent,
 )
-from workers.engine.runner import EngineRunner, RunnerConfig
+from backends.engine.runner import EngineRunner, RunnerConfig
 
 TENANTS = ("alpha", "beta", "gamma", "delta")
 

@@ -1,12 +1,12 @@
 """Our inference engine: continuous batching with per-tenant quotas and Token-PD KV eviction.
 
-Only the scheduler is imported eagerly so that `from workers.engine import ContinuousBatchScheduler`
+Only the scheduler is imported eagerly so that `from backends.engine import ContinuousBatchScheduler`
 works without torch; the model, the eviction policies and the server import torch on demand.
 """
 
 from __future__ import annotations
 
-from workers.engine.scheduler import (
+from backends.engine.scheduler import (
     AdmissionRejectedEvent,
     BatchSchedulerConfig,
     CompletedEvent,

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import json
 
-from workers.engine.model import LlamaConfig
-from workers.engine.tiny_model import TinyModelSpec, generate_tiny_model, main
+from backends.engine.model import LlamaConfig
+from backends.engine.tiny_model import TinyModelSpec, generate_tiny_model, main
 
 
 def test_generation_is_reproducible_and_loadable(tmp_path):

@@ -56,7 +56,7 @@ def engine_url(tiny_model_dir) -> Iterator[str]:
 
 
 def offline_greedy(model_dir: Path, prompt_ids: list[int], steps: int) -> list[int]:
-    from workers.engine.model import LlamaModel, SequenceCache
+    from backends.engine.model import LlamaModel, SequenceCache
 
     model = LlamaModel(model_dir, num_slots=len(prompt_ids) + steps, device="cpu")
     seq = SequenceCache(row=0)
@@ -219,8 +219,8 @@ def test_openai_sdk_client(engine_url, tiny_model_dir):
 def test_queue_full_is_a_429_with_retry_after(tiny_model_dir):
     import asyncio
 
-    from workers.engine.server import EngineApp
-    from workers.engine.service import Engine, EngineSettings
+    from backends.engine.server import EngineApp
+    from backends.engine.service import Engine, EngineSettings
 
     engine = Engine(EngineSettings(model_dir=str(tiny_model_dir), max_pending_prompts=0, kv_budget_mib=1))
 
@@ -256,9 +256,9 @@ def test_client_disconnect_cancels_the_request_and_frees_the_tenant(engine_url):
 
 
 def test_over_quota_requests_get_a_429_in_reject_mode(tiny_model_dir):
-    from workers.engine.scheduler import TenantConfig
-    from workers.engine.server import EngineApp
-    from workers.engine.service import Engine, EngineSettings
+    from backends.engine.scheduler import TenantConfig
+    from backends.engine.server import EngineApp
+    from backends.engine.service import Engine, EngineSettings
 
     engine = Engine(
         EngineSettings(
@@ -293,8 +293,8 @@ def test_over_quota_requests_get_a_429_in_reject_mode(tiny_model_dir):
 
 
 def test_a_failing_engine_step_ends_requests_with_a_500_and_the_engine_keeps_serving(tiny_model_dir):
-    from workers.engine.server import EngineApp
-    from workers.engine.service import Engine, EngineSettings
+    from backends.engine.server import EngineApp
+    from backends.engine.service import Engine, EngineSettings
 
     engine = Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=1))
     real_plan = engine.scheduler._plan_work
@@ -325,8 +325,8 @@ def test_a_failing_engine_step_ends_requests_with_a_500_and_the_engine_keeps_ser
 
 
 def test_a_prompt_longer_than_the_kv_budget_streams_through_with_token_pd(tiny_model_dir):
-    from workers.engine.server import EngineApp
-    from workers.engine.service import Engine, EngineSettings
+    from backends.engine.server import EngineApp
+    from backends.engine.service import Engine, EngineSettings
 
     # 0.05 MiB of 512-byte tokens: a budget of 102 tokens, and a prompt of 300.
     engine = Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=0.05, policy="token-pd"))
@@ -352,8 +352,8 @@ def test_a_prompt_longer_than_the_kv_budget_streams_through_with_token_pd(tiny_m
 def test_a_bfloat16_engine_holds_twice_the_tokens_in_the_same_budget_and_reports_its_cache_dtype(
     tiny_model_dir,
 ):
-    from workers.engine.server import EngineApp
-    from workers.engine.service import Engine, EngineSettings
+    from backends.engine.server import EngineApp
+    from backends.engine.service import Engine, EngineSettings
 
     half = Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=1, dtype="bfloat16"))
     full = Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=1))
@@ -379,7 +379,7 @@ def test_a_bfloat16_engine_holds_twice_the_tokens_in_the_same_budget_and_reports
 
 
 def test_an_unknown_dtype_is_refused_with_the_choices(tiny_model_dir):
-    from workers.engine.service import Engine, EngineSettings
+    from backends.engine.service import Engine, EngineSettings
 
     with pytest.raises(ValueError, match="unknown dtype 'bf16'; choose from float32, bfloat16, float16"):
         Engine(EngineSettings(model_dir=str(tiny_model_dir), kv_budget_mib=1, dtype="bf16"))

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.workers.engine.fakes import FakeRunner, greedy_reference
-from workers.engine import (
+from backends.engine import (
     AdmissionRejectedEvent,
     BatchSchedulerConfig,
     CompletedEvent,
@@ -23,6 +22,7 @@ from workers.engine import (
     TenantConfig,
     TokenEvent,
 )
+from tests.backends.engine.fakes import FakeRunner, greedy_reference
 
 TENANTS = ("alpha", "beta", "gamma", "delta")
 

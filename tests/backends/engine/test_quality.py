@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from workers.engine.quality import (
+from backends.engine.quality import (
     full_cache_reference,
     iso_quality_budget,
     measure_quality,

@@ -5,7 +5,7 @@ The folder has the same layout a Hugging Face Llama checkpoint has (`config.json
 can load it. The tokenizer is a byte-level BPE trained here on the Python standard library sources,
 which every machine with Python has, so nothing is downloaded.
 
-    python -m workers.engine.tiny_model --out var/models/tiny
+    python -m backends.engine.tiny_model --out var/models/tiny
 """
 
 from __future__ import annotations

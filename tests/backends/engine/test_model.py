@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from workers.engine.model import LlamaModel, SequenceCache
+from backends.engine.model import LlamaModel, SequenceCache
 
 
 def random_prompt(seed: int, length: int, vocab: int) -> list[int]:

@@ -4,9 +4,9 @@ import json
 
 import torch
 
-from workers.engine.model import LlamaModel
-from workers.engine.tiny_model import TinyModelSpec, llama_config
-from workers.engine.train_tiny import TrainableLlama, TrainSpec
+from backends.engine.model import LlamaModel
+from backends.engine.tiny_model import TinyModelSpec, llama_config
+from backends.engine.train_tiny import TrainableLlama, TrainSpec
 
 
 def test_a_trained_checkpoint_loads_into_the_engine_with_the_same_logits(tmp_path):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from workers.engine.model import LlamaConfig
-from workers.engine.runner import EngineRunner, RunnerConfig
-from workers.engine.scheduler import SamplingParams, SequenceWork
+from backends.engine.model import LlamaConfig
+from backends.engine.runner import EngineRunner, RunnerConfig
+from backends.engine.scheduler import SamplingParams, SequenceWork
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -210,7 +210,7 @@ def windowed_perplexity(
     `sinks + window` tokens gives exactly this, so it tells what any policy can save over FIFO: nothing,
     where a short window is already within the tolerance.
     """
-    from workers.engine.model import LlamaModel
+    from backends.engine.model import LlamaModel
 
     model = LlamaModel(model_dir, num_slots=1)
     rows = []

@@ -4,7 +4,7 @@ The result is a normal Llama folder (config.json, model.safetensors in bfloat16,
 engine and vLLM load, small enough to commit (about 10 MB at the defaults), so eviction quality
 (perplexity with and without eviction) can be measured without training again.
 
-    python -m workers.engine.train_tiny --out workers/engine/assets/tiny-stdlib --minutes 24
+    python -m backends.engine.train_tiny --out backends/engine/assets/tiny-stdlib --minutes 24
 
 Text: every `*.py` file under the standard library folder, in sorted order; the last 5% of the files
 are held out for the validation perplexity written to `train_report.json`.
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.engine.tiny_model import (
+from backends.engine.tiny_model import (
     TinyModelSpec,
     llama_config,
     train_tokenizer,
@@ -102,7 +102,7 @@ class Block(nn.Module):
 
 
 class TrainableLlama(nn.Module):
-    """The same arithmetic as `workers.engine.model.LlamaModel`, with autograd and no KV pool."""
+    """The same arithmetic as `backends.engine.model.LlamaModel`, with autograd and no KV pool."""
 
     inv_freq: torch.Tensor
 
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("workers/engine/assets/tiny-stdlib"))
+    parser.add_argument("--out", type=Path, default=Path("backends/engine/assets/tiny-stdlib"))
     defaults = TrainSpec()
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from workers.engine.scheduler import SequenceResult, SequenceWork
+from backends.engine.scheduler import SequenceResult, SequenceWork
 
 EOS_TOKEN = 0
 

@@ -96,7 +96,7 @@ def test_held_out_windows_come_only_from_the_held_out_files_spread_over_them(
 ):
     from tokenizers import Tokenizer
 
-    import workers.engine.train_tiny as train_tiny
+    import backends.engine.train_tiny as train_tiny
 
     files = {}
     for name, word in (("trained", "alpha"), ("first", "beta"), ("second", "gamma")):
@@ -118,7 +118,7 @@ def test_held_out_windows_come_only_from_the_held_out_files_spread_over_them(
 
 
 def test_the_held_out_files_are_the_last_of_the_training_order_and_disjoint_from_it():
-    from workers.engine.train_tiny import corpus_files
+    from backends.engine.train_tiny import corpus_files
 
     train, held_out = corpus_files()
     assert held_out and not set(train) & set(held_out)

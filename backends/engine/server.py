@@ -5,7 +5,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE stream
 GET /metrics. The tenant comes from the `x-tokenpools-tenant` header the gateway sets, so the engine's
 per-tenant quotas apply per tenant; without it requests run as tenant "default".
 
-    python -m workers.engine.server --model var/models/tiny --policy token-pd --kv-budget-mib 8 --port 8100
+    python -m backends.engine --model var/models/tiny --policy token-pd --kv-budget-mib 8 --port 8100
+    python -m backends.engine.server ...          (the same)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from workers.engine.scheduler import (
+from backends.engine.scheduler import (
     AdmissionRejectedEvent,
     CompletedEvent,
     CompletionReason,
@@ -31,7 +32,7 @@ from workers.engine.scheduler import (
     TenantConfig,
     TokenEvent,
 )
-from workers.engine.service import Engine, EngineSettings, RequestStream
+from backends.engine.service import Engine, EngineSettings, RequestStream
 
 TENANT_HEADER = b"x-tokenpools-tenant"
 # Without our gateway's header, llm-d's fairness id (the same notion: who shares fairly) names the tenant.
@@ -545,8 +546,8 @@ class EngineApp:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    from workers.engine.eviction import POLICIES
-    from workers.engine.model import DTYPES
+    from backends.engine.eviction import POLICIES
+    from backends.engine.model import DTYPES
 
     parser.add_argument(
         "--model", required=True, help="folder with config.json, *.safetensors, tokenizer.json"
@@ -637,7 +638,7 @@ def serve(settings: EngineSettings, host: str, port: int, threads: int = 0) -> N
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m backends.engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
