@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from backends.vllm_wire import metric_sum
 from bench.results import machine_description, write_rendered_section
 
 SECTION_TITLE = "## Inference engine (`make bench-engine`)"
@@ -237,18 +238,6 @@ def prompt_ids(index: int, length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def metric_value(metrics_text: str, name: str) -> float:
-    """Sum of the samples of one Prometheus family (any labels) in an exposition text; 0 when absent."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        sample, _, value = line.rpartition(" ")
-        if sample == name or sample.startswith(name + "{"):
-            total += float(value)
-    return total
-
-
 def bench_throughput_inprocess(
     model_dir: str, policy: str, streams: int, budget_tokens: int, workload: list[WorkloadRequest], seed: int
 ) -> dict[str, float]:
@@ -423,10 +412,10 @@ def bench_throughput_http(
     with serving_engine(args.model, options) as base:
         result = asyncio.run(drive_http_open_loop(base, "tiny", workload, vocab, args.seed))
         metrics = httpx.get(base + "/metrics", timeout=30).text
-    result["preemptions"] = metric_value(metrics, "vllm:num_preemptions_total")
-    result["peak_kv_tokens"] = metric_value(metrics, "tokenpools_engine_kv_peak_tokens")
-    result["budget_tokens"] = metric_value(metrics, "tokenpools_engine_kv_budget_tokens")
-    result["evicted"] = metric_value(metrics, "tokenpools_engine_tokens_evicted_total")
+    result["preemptions"] = metric_sum(metrics, "vllm:num_preemptions_total")
+    result["peak_kv_tokens"] = metric_sum(metrics, "tokenpools_engine_kv_peak_tokens")
+    result["budget_tokens"] = metric_sum(metrics, "tokenpools_engine_kv_budget_tokens")
+    result["evicted"] = metric_sum(metrics, "tokenpools_engine_tokens_evicted_total")
     return result
 
 

@@ -33,6 +33,7 @@ from backends.engine.scheduler import (
     TokenEvent,
 )
 from backends.engine.service import Engine, EngineSettings, RequestStream
+from backends.vllm_wire import METRICS_CONTENT_TYPE, TOKENIZE_PATH, error_body, tokenize_response
 
 TENANT_HEADER = b"x-tokenpools-tenant"
 # Without our gateway's header, llm-d's fairness id (the same notion: who shares fairly) names the tenant.
@@ -59,10 +60,6 @@ class HttpError(Exception):
         self.code = code
         self.error_type = error_type
         self.headers = headers or {}
-
-
-def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def rejection_error(event: AdmissionRejectedEvent) -> HttpError:
@@ -158,13 +155,11 @@ class EngineApp:
             elif method == "GET" and path == "/v1/models":
                 await self._send_json(send, 200, self._models())
             elif method == "GET" and path == "/metrics":
-                await self._send_bytes(
-                    send, 200, self.engine.metrics_text().encode(), "text/plain; version=0.0.4"
-                )
+                await self._send_bytes(send, 200, self.engine.metrics_text().encode(), METRICS_CONTENT_TYPE)
             elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
                 body = await self._read_json(receive)
                 await self._generate(scope, receive, send, body, chat=path.endswith("chat/completions"))
-            elif method == "POST" and path == "/tokenize":
+            elif method == "POST" and path == TOKENIZE_PATH:
                 await self._send_json(send, 200, self._tokenize(await self._read_json(receive)))
             elif method == "POST" and path == "/detokenize":
                 body = await self._read_json(receive)
@@ -173,7 +168,10 @@ class EngineApp:
                 raise HttpError(404, f"no route for {method} {path}", "not_found")
         except HttpError as error:
             await self._send_json(
-                send, error.status, error_body(error.message, error.error_type, error.code), error.headers
+                send,
+                error.status,
+                error_body(error.message, error_type=error.error_type, code=error.code),
+                error.headers,
             )
 
     # ---- plumbing ----------------------------------------------------------------------------------
@@ -245,7 +243,7 @@ class EngineApp:
             ids = self.engine.encode(body["prompt"])
         else:
             raise HttpError(400, "tokenize needs 'prompt' (a string) or 'messages'", "invalid_request")
-        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        return tokenize_response(ids, max_model_len=self.engine.max_model_len)
 
     @staticmethod
     def _tenant(scope: Scope) -> str:
@@ -382,7 +380,7 @@ class EngineApp:
             if isinstance(event, CompletedEvent):
                 if event.reason is CompletionReason.ENGINE_ERROR:
                     await self._send_json(
-                        send, 500, error_body(event.detail, "internal_error", "engine_error")
+                        send, 500, error_body(event.detail, error_type="internal_error", code="engine_error")
                     )
                     return True
                 pieces.append(text.flush())
@@ -480,7 +478,7 @@ class EngineApp:
         while True:
             if isinstance(event, AdmissionRejectedEvent):  # cannot follow admission; kept for safety
                 rejection = rejection_error(event)
-                payload = error_body(rejection.message, rejection.error_type, rejection.code)
+                payload = error_body(rejection.message, error_type=rejection.error_type, code=rejection.code)
                 await write(b"data: " + json.dumps(payload).encode() + b"\n\n")
                 finish = "error"
                 break
@@ -510,7 +508,7 @@ class EngineApp:
                     await write(chunk(delta, None))
             elif isinstance(event, CompletedEvent):
                 if event.reason is CompletionReason.ENGINE_ERROR:
-                    error = error_body(event.detail, "internal_error", "engine_error")
+                    error = error_body(event.detail, error_type="internal_error", code="engine_error")
                     await write(b"data: " + json.dumps(error).encode() + b"\n\n")
                     finish = "error"
                     break

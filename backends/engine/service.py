@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backends import vllm_wire
 from backends.engine.runner import EngineRunner, RunnerConfig, budget_tokens_for
 from backends.engine.scheduler import (
     AdmissionRejectedEvent,
@@ -257,60 +258,52 @@ class Engine:
             stats = self.runner.stats
             gauges = self.runner.policy.gauges()
             tenants = [self.scheduler.tenant_state(t) for t in self.scheduler.tenant_ids()]
-        label = f'model_name="{self.model_name}"'
         budget = self.runner.config.budget_tokens
         block = self.settings.block_size
-        lines = [
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{label}}} {running}",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{label}}} {waiting}",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{{{label}}} {pool.num_used / budget:.6f}",
-            "# TYPE vllm:cache_config_info gauge",
-            f'vllm:cache_config_info{{block_size="{block}",num_gpu_blocks="{budget // block}",'
-            f'kv_bytes_per_token="{self.kv_bytes_per_token}",kv_budget_tokens="{budget}",'
-            f'cache_dtype="{self.settings.dtype}"}} 1.0',
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{label}}} {self.counters['prompt_tokens']}",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{label}}} {self.counters['generation_tokens']}",
-            "# TYPE vllm:num_preemptions_total counter",
-            f"vllm:num_preemptions_total{{{label}}} {self.counters['preemptions']}",
-            "# TYPE vllm:request_success_total counter",
-        ]
-        for reason, count in sorted(self.finished_by_reason.items()):
-            lines.append(f'vllm:request_success_total{{{label},finished_reason="{reason}"}} {count}')
-        policy = self.runner.policy.name
-        lines += [
-            "# TYPE tokenpools_engine_tokens_evicted_total counter",
-            f'tokenpools_engine_tokens_evicted_total{{policy="{policy}",kind="cutoff"}} '
-            f"{stats.tokens_evicted_by_cutoff}",
-            f'tokenpools_engine_tokens_evicted_total{{policy="{policy}",kind="voluntary"}} '
-            f"{stats.tokens_evicted_voluntarily}",
-            "# TYPE tokenpools_engine_kv_used_tokens gauge",
-            f"tokenpools_engine_kv_used_tokens {pool.num_used}",
-            "# TYPE tokenpools_engine_kv_peak_tokens gauge",
-            f"tokenpools_engine_kv_peak_tokens {stats.peak_used_tokens}",
-            "# TYPE tokenpools_engine_kv_budget_tokens gauge",
-            f"tokenpools_engine_kv_budget_tokens {budget}",
-            "# TYPE tokenpools_engine_policy_seconds_total counter",
-            f"tokenpools_engine_policy_seconds_total {stats.policy_seconds_total:.6f}",
-            "# TYPE tokenpools_engine_token_pd_mu gauge",
-            f'tokenpools_engine_token_pd_mu{{policy="{policy}"}} {gauges.get("token_pd_mu", 0.0):.6e}',
-            "# TYPE tokenpools_engine_rejections_total counter",
-        ]
-        for reason, count in sorted(self.rejected_by_reason.items()):
-            lines.append(f'tokenpools_engine_rejections_total{{reason="{reason}"}} {count}')
-        # Prometheus wants each family's samples together, so one loop per family.
+        lines = vllm_wire.vllm_metric_lines(
+            vllm_wire.VllmStats(
+                model_name=self.model_name,
+                running=running,
+                waiting=waiting,
+                kv_usage=pool.num_used / budget,
+                cache_config={
+                    "block_size": block,
+                    "num_gpu_blocks": budget // block,
+                    "kv_bytes_per_token": self.kv_bytes_per_token,
+                    "kv_budget_tokens": budget,
+                    "cache_dtype": self.settings.dtype,
+                },
+                prompt_tokens=self.counters["prompt_tokens"],
+                generation_tokens=self.counters["generation_tokens"],
+                preemptions=self.counters["preemptions"],
+                success_by_reason=dict(self.finished_by_reason),
+            )
+        )
+        policy = {"policy": self.runner.policy.name}
+        family = vllm_wire.metric_family
+        lines += family(
+            "tokenpools_engine_tokens_evicted_total",
+            "counter",
+            [
+                ({**policy, "kind": "cutoff"}, stats.tokens_evicted_by_cutoff),
+                ({**policy, "kind": "voluntary"}, stats.tokens_evicted_voluntarily),
+            ],
+        )
+        lines += family("tokenpools_engine_kv_used_tokens", "gauge", [({}, pool.num_used)])
+        lines += family("tokenpools_engine_kv_peak_tokens", "gauge", [({}, stats.peak_used_tokens)])
+        lines += family("tokenpools_engine_kv_budget_tokens", "gauge", [({}, budget)])
+        lines += family("tokenpools_engine_policy_seconds_total", "counter", [({}, stats.policy_seconds_total)])
+        lines += family("tokenpools_engine_token_pd_mu", "gauge", [(policy, gauges.get("token_pd_mu", 0.0))])
+        lines += family(
+            "tokenpools_engine_rejections_total",
+            "counter",
+            [({"reason": reason}, count) for reason, count in sorted(self.rejected_by_reason.items())],
+        )
         snapshots = [snap for snap in tenants if snap is not None]
-        for family, attribute in (
+        for name, attribute in (
             ("tokenpools_engine_tenant_active", "active_count"),
             ("tokenpools_engine_tenant_allocated_blocks", "allocated_blocks"),
             ("tokenpools_engine_tenant_pending", "pending_count"),
         ):
-            lines.append(f"# TYPE {family} gauge")
-            lines += [
-                f'{family}{{tenant="{snap.tenant_id}"}} {getattr(snap, attribute)}' for snap in snapshots
-            ]
-        return "\n".join(lines) + "\n"
+            lines += family(name, "gauge", [({"tenant": s.tenant_id}, getattr(s, attribute)) for s in snapshots])
+        return vllm_wire.exposition(lines)

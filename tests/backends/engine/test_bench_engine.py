@@ -57,23 +57,6 @@ def test_the_budget_is_a_fraction_of_the_concurrent_need_but_fits_the_longest_re
     assert bench.workload_budget_tokens(workload, streams=1, fraction=0.5) == 200 + 16
 
 
-def test_metric_value_sums_one_family_across_labels_and_ignores_its_neighbours():
-    text = "\n".join(
-        [
-            "# TYPE tokenpools_engine_tokens_evicted_total counter",
-            'tokenpools_engine_tokens_evicted_total{policy="h2o",kind="cutoff"} 12',
-            'tokenpools_engine_tokens_evicted_total{policy="h2o",kind="voluntary"} 30',
-            'vllm:num_preemptions_total{model_name="tiny"} 7',
-            "tokenpools_engine_kv_peak_tokens 4096",
-            "tokenpools_engine_kv_peak_tokens_other 1",
-        ]
-    )
-    assert bench.metric_value(text, "tokenpools_engine_tokens_evicted_total") == 42
-    assert bench.metric_value(text, "vllm:num_preemptions_total") == 7
-    assert bench.metric_value(text, "tokenpools_engine_kv_peak_tokens") == 4096
-    assert bench.metric_value(text, "absent_family") == 0
-
-
 def test_throughput_ratios_compare_token_pd_to_the_full_cache_at_each_stream_count():
     rows = [
         ("none", 16, {"tokens_per_s": 100.0}),
