@@ -1,8 +1,7 @@
-"""A virtual vLLM server: vLLM's OpenAI API and /metrics names, timed in real time by the simulator's instance
-model (continuous batching, KV blocks, preemption; roofline or fixed step times). No model, no GPU.
-
-    python -m apps.simulator.vllm_server --port 8100 --max-num-seqs 16 --latency-model fixed
-    python manage.py virtual_vllm --port 8100 ...            (the same, through Django)
+"""A virtual vLLM server: vLLM's OpenAI API and /metrics names, timed in real time by the instance model
+the simulator runs in virtual time (continuous batching, KV blocks, preemption; roofline or fixed step
+times). No model, no GPU. Started by `python -m backends.virtual_vllm` or `python manage.py virtual_vllm`
+(flags in `backends.virtual_vllm.cli`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream_options.include_usage`),
 GET /v1/models, POST /tokenize, GET /health, GET /metrics. Generated text is filler ("tok0 tok1 ..."); every
@@ -11,20 +10,19 @@ request produces exactly `max_tokens` tokens (as with `ignore_eos`). Prompt toke
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import re
-import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.simulator.instance import Instance, SimRequest
-from apps.simulator.simulation import SimConfig, build_latency
+from backends import vllm_wire
+from backends.virtual_vllm.instance import Instance, SimRequest
+from backends.virtual_vllm.spec import InstanceSpec, build_latency
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -39,7 +37,7 @@ def count_tokens(text: str) -> list[int]:
 
 
 class RealTimeLoop:
-    """The simulator's loop interface (`time`, `at`, `after`) on asyncio: virtual seconds = real seconds
+    """The instance's loop interface (`time`, `at`, `after`) on asyncio: virtual seconds = real seconds
     times `time_scale` since start."""
 
     def __init__(self, time_scale: float = 1.0) -> None:
@@ -67,7 +65,7 @@ class ServerConfig:
     max_model_len: int = 8192
     default_max_tokens: int = 128
     time_scale: float = 1.0
-    sim: SimConfig = field(default_factory=lambda: SimConfig(latency_model="fixed", max_num_seqs=16))
+    instance: InstanceSpec = field(default_factory=lambda: InstanceSpec(latency_model="fixed", max_num_seqs=16))
 
 
 @dataclass
@@ -81,7 +79,7 @@ class VirtualVllm:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        latency, kv_blocks = build_latency(config.sim)
+        latency, kv_blocks = build_latency(config.instance)
         self.latency = latency
         self.kv_blocks = kv_blocks
         self.instance: Instance | None = None
@@ -97,15 +95,15 @@ class VirtualVllm:
     def _ensure_instance(self) -> Instance:
         if self.instance is None:
             self.loop = RealTimeLoop(self.config.time_scale)
-            sim = self.config.sim
+            spec = self.config.instance
             self.instance = Instance(
                 0,
                 self.loop,
                 self.latency,
-                max_num_seqs=sim.max_num_seqs,
+                max_num_seqs=spec.max_num_seqs,
                 kv_blocks=self.kv_blocks,
-                block_size=sim.block_size,
-                max_batched_tokens=sim.max_batched_tokens,
+                block_size=spec.block_size,
+                max_batched_tokens=spec.max_batched_tokens,
                 on_finish=self._finished,
                 on_lost=self._lost,
             )
@@ -142,10 +140,8 @@ class VirtualVllm:
             elif path == "/v1/models" and method == "GET":
                 await _json(send, 200, self._models())
             elif path == "/metrics" and method == "GET":
-                await _respond(
-                    send, 200, self.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8"
-                )
-            elif path in ("/v1/completions", "/v1/chat/completions", "/tokenize") and method == "POST":
+                await _respond(send, 200, self.metrics_text().encode(), vllm_wire.METRICS_CONTENT_TYPE)
+            elif path in ("/v1/completions", "/v1/chat/completions", vllm_wire.TOKENIZE_PATH) and method == "POST":
                 body = await _read_body(receive)
                 try:
                     payload = json.loads(body or b"{}")
@@ -155,7 +151,7 @@ class VirtualVllm:
                 if not isinstance(payload, dict):
                     await _error(send, 400, "the body must be a JSON object")
                     return
-                if path == "/tokenize":
+                if path == vllm_wire.TOKENIZE_PATH:
                     await self._tokenize(send, payload)
                 else:
                     await self._generate(
@@ -167,7 +163,7 @@ class VirtualVllm:
                 "/metrics",
                 "/v1/completions",
                 "/v1/chat/completions",
-                "/tokenize",
+                vllm_wire.TOKENIZE_PATH,
             ):
                 await _error(send, 405, f"method {method} not allowed on {path}", "MethodNotAllowed")
             else:
@@ -194,50 +190,28 @@ class VirtualVllm:
 
     def metrics_text(self) -> str:
         instance = self.instance
-        running = len(instance.running) if instance else 0
-        waiting = len(instance.waiting) if instance else 0
-        usage = instance.kv_utilization if instance else 0.0
-        preemptions = instance.preemptions if instance else 0
-        sim = self.config.sim
-        label = f'model_name="{self.config.model}"'
-        lines = [
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{label}}} {running}",
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{label}}} {waiting}",
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{{{label}}} {usage:.6f}",
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-            "# TYPE vllm:cache_config_info gauge",
-            f'vllm:cache_config_info{{block_size="{sim.block_size}",cache_dtype="auto",gpu_memory_utilization="0.9",'
-            f'num_gpu_blocks="{self.kv_blocks}",num_cpu_blocks="0",{label}}} 1.0',
-            "# HELP vllm:num_preemptions_total Cumulative number of preemptions from the engine.",
-            "# TYPE vllm:num_preemptions_total counter",
-            f"vllm:num_preemptions_total{{{label}}} {preemptions}",
-            "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{label}}} {self.prompt_tokens_total}",
-            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{label}}} {self.generation_tokens_total}",
-            "# HELP vllm:request_success_total Count of successfully processed requests.",
-            "# TYPE vllm:request_success_total counter",
-            f'vllm:request_success_total{{finished_reason="length",{label}}} {self.success_total}',
-        ]
-        return "\n".join(lines) + "\n"
+        spec = self.config.instance
+        stats = vllm_wire.VllmStats(
+            model_name=self.config.model,
+            running=len(instance.running) if instance else 0,
+            waiting=len(instance.waiting) if instance else 0,
+            kv_usage=instance.kv_utilization if instance else 0.0,
+            cache_config={"block_size": spec.block_size, "cache_dtype": "auto", "gpu_memory_utilization": "0.9",
+                          "num_gpu_blocks": self.kv_blocks, "num_cpu_blocks": 0, "model_name": self.config.model},
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+            preemptions=instance.preemptions if instance else 0,
+            # Every request runs to max_tokens (as with ignore_eos), so every success is a "length" finish.
+            success_by_reason={"length": self.success_total},
+        )  # fmt: skip
+        return vllm_wire.exposition(vllm_wire.vllm_metric_lines(stats))
 
     async def _tokenize(self, send: Send, payload: dict[str, Any]) -> None:
         text = _prompt_text(payload)
         if text is None:
             await _error(send, 400, "give 'prompt' (a string) or 'messages'")
             return
-        tokens = count_tokens(text)
-        await _json(
-            send, 200, {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
-        )
+        await _json(send, 200, vllm_wire.tokenize_response(count_tokens(text), max_model_len=self.config.max_model_len))
 
     async def _generate(
         self, scope: Scope, receive: Receive, send: Send, payload: dict[str, Any], chat: bool
@@ -456,89 +430,5 @@ async def _json(send: Send, status: int, payload: Any) -> None:
 
 
 async def _error(send: Send, status: int, message: str, kind: str = "BadRequestError") -> None:
-    await _json(
-        send, status, {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    )
-
-
-# ---- command line --------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--served-model-name", "--model", dest="model", default="virtual-vllm")
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--default-max-tokens", type=int, default=128)
-    parser.add_argument("--latency-model", choices=("roofline", "fixed"), default="fixed")
-    parser.add_argument("--gpu", default="h100")
-    parser.add_argument(
-        "--roofline-model", default="qwen/qwen3-8b", help="geometry for the roofline latency model"
-    )
-    parser.add_argument("--prefill-ms-per-token", type=float, default=0.1)
-    parser.add_argument("--decode-ms-per-token", type=float, default=20.0)
-    parser.add_argument("--kv-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--time-scale", type=float, default=1.0, help="virtual seconds per real second")
-    parser.add_argument("--log-level", default="warning")
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    problems = []
-    if not 0 < args.port < 65536:
-        problems.append(f"--port must be between 1 and 65535, got {args.port}")
-    for name in ("max_num_seqs", "max_model_len", "default_max_tokens", "block_size"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.kv_blocks is not None and args.kv_blocks < 1:
-        problems.append(f"--kv-blocks must be positive, got {args.kv_blocks}")
-    if not args.time_scale > 0:
-        problems.append(f"--time-scale must be positive, got {args.time_scale}")
-    if args.prefill_ms_per_token < 0 or args.decode_ms_per_token < 0:
-        problems.append("per-token times must be >= 0")
-    if problems:
-        raise ValueError("; ".join(problems))
-    kv_blocks = args.kv_blocks
-    if kv_blocks is None and args.latency_model == "fixed":
-        # Room for every slot to hold 2,048 tokens: enough that KV usage reads like a real server's.
-        kv_blocks = -(-args.max_num_seqs * 2048 // args.block_size)
-    sim = SimConfig(
-        latency_model=args.latency_model,
-        gpu=args.gpu,
-        model=args.roofline_model,
-        prefill_ms_per_token=args.prefill_ms_per_token,
-        decode_ms_per_token=args.decode_ms_per_token,
-        max_num_seqs=args.max_num_seqs,
-        kv_blocks=kv_blocks,
-        block_size=args.block_size,
-    )
-    return ServerConfig(args.model, args.max_model_len, args.default_max_tokens, args.time_scale, sim)
-
-
-def serve(config: ServerConfig, host: str, port: int, log_level: str = "warning") -> None:
-    import uvicorn
-
-    uvicorn.run(VirtualVllm(config), host=host, port=port, log_level=log_level, lifespan="off")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m apps.simulator.vllm_server", description=__doc__.splitlines()[0]
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-        build_latency(config.sim)
-    except ValueError as error:
-        print(f"virtual_vllm: error: {error}", file=sys.stderr)
-        return 2
-    print(
-        f"virtual vLLM ({config.model}, {config.sim.max_num_seqs} slots) on http://{args.host}:{args.port}/",
-        flush=True,
-    )
-    serve(config, args.host, args.port, args.log_level)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
+    # As vLLM does: the HTTP status in `code`, the error's class name in `type`.
+    await _json(send, status, vllm_wire.error_body(message, error_type=kind, code=status))

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
@@ -29,7 +29,7 @@ def server() -> Iterator[str]:
         [
             sys.executable,
             "-m",
-            "apps.simulator.vllm_server",
+            "backends.virtual_vllm",
             "--port",
             str(port),
             "--max-num-seqs",
@@ -160,4 +160,5 @@ def test_a_client_that_disconnects_frees_its_slot(server):
 def test_bad_requests_get_vllm_style_errors(server, path, payload, status):
     response = httpx.post(f"{server}{path}", json=payload)
     assert response.status_code == status
-    assert response.json()["object"] == "error" and response.json()["message"]
+    error = response.json()["error"]  # vLLM's ErrorResponse: the status in `code`, the class name in `type`
+    assert error["code"] == status and error["message"] and error["type"].endswith("Error")

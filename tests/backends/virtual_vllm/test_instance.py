@@ -1,4 +1,5 @@
-"""Exact small cases of the instance model under the fixed latency model (1 ms/prompt token, 2 ms/step)."""
+"""Exact small cases of the instance model under the fixed latency model (1 ms/prompt token, 2 ms/step),
+run in virtual time by the simulator's event loop and cluster (the clock the instance has there)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 
 from apps.simulator.cluster import Cluster
 from apps.simulator.engine import EventLoop
-from apps.simulator.instance import Instance, SimRequest
-from apps.simulator.latency import FixedLatency
+from backends.virtual_vllm.instance import Instance, SimRequest
+from backends.virtual_vllm.latency import FixedLatency
 
 LATENCY = FixedLatency(prefill_s_per_token=0.001, decode_s_per_token=0.002)
 
@@ -103,38 +104,6 @@ def test_a_prompt_larger_than_the_cache_is_dropped_as_unservable():
     assert ok.finished_at is not None
 
 
-def test_round_robin_alternates_and_least_loaded_prefers_the_idle_instance():
-    loop, cluster = make_cluster(instances=2)
-    requests = [send(loop, cluster, 0.0, rid, 10, 5) for rid in range(4)]
-    loop.run()
-    assert sorted(r.instance for r in requests) == [0, 0, 1, 1]
-    assert requests[0].instance != requests[1].instance
-
-    loop = EventLoop()
-    nodes = [Instance(i, loop, LATENCY) for i in range(2)]
-    cluster = Cluster(loop, nodes, routing="least-loaded")
-    busy = [SimRequest(rid, "t", 10, 50, 0.0) for rid in range(3)]
-    for request in busy:
-        nodes[0].enqueue(request)
-    newcomer = SimRequest(9, "t", 10, 5, 0.0)
-    cluster.submit(newcomer)
-    assert newcomer.instance == 1
-
-
-def test_removing_an_instance_loses_its_requests_and_restoring_serves_again():
-    loop, cluster = make_cluster(instances=1)
-    lost = send(loop, cluster, 0.0, 1, 10, 100)
-    loop.at(0.05, cluster.remove_instance, 0)
-    after = send(loop, cluster, 0.06, 2, 10, 5)  # no instance online
-    loop.at(0.1, cluster.restore_instance, 0)
-    served = send(loop, cluster, 0.2, 3, 10, 5)
-    loop.run()
-    assert lost.outcome == "lost:instance_removed"
-    assert after.outcome == "lost:no_instance"
-    assert served.finished_at == pytest.approx(0.2 + 0.018)
-    assert cluster.stats.completed == 1
-
-
 def test_aborting_mid_batch_returns_every_block_and_frees_the_slot():
     loop, cluster = make_cluster(max_num_seqs=1, kv_blocks=100, block_size=4, watermark=0.0)
     doomed = send(loop, cluster, 0.0, 1, 10, 200)
@@ -161,14 +130,3 @@ def test_tokens_generated_counts_decode_steps_of_the_batch_in_progress():
     loop.run()
     # Prefill ends at 10 ms (1 token); each 2 ms decode step adds one; at 50 ms 21 steps are done.
     assert seen == [0, 1, 3, 21]
-
-
-def test_kv_aware_routing_prefers_the_instance_with_the_emptier_cache():
-    loop = EventLoop()
-    nodes = [Instance(i, loop, LATENCY, kv_blocks=100, block_size=4) for i in range(2)]
-    cluster = Cluster(loop, nodes, routing="kv-aware")
-    nodes[0].enqueue(SimRequest(1, "t", 200, 50, 0.0))  # 50 blocks on instance 0
-    newcomer = SimRequest(2, "t", 8, 5, 0.0)
-    cluster.submit(newcomer)
-    assert nodes[0].kv_utilization > 0.4
-    assert newcomer.instance == 1

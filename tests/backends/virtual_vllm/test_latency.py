@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.simulator.latency import (
+from backends.virtual_vllm.latency import (
     MODELS,
     FixedLatency,
     HardwareConfigError,

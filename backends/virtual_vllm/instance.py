@@ -13,6 +13,10 @@ be admitted) every running sequence advances one token per step, so a batch of k
 counter moves by k, sequences know their finishing step, and block allocations follow a per-sequence phase
 (`(prompt + j - 1) % bs == 0` at decode step j), counted in a `block_size`-long table. An arrival that can be
 admitted cuts the batch at the end of the step in progress.
+
+Time comes from the loop the instance is given: the simulator's event loop in virtual time
+(`apps.simulator.engine.EventLoop`) or the virtual vLLM's asyncio loop in real time
+(`backends.virtual_vllm.server.RealTimeLoop`). The same model runs under both clocks.
 """
 
 from __future__ import annotations
@@ -20,9 +24,18 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from apps.simulator.latency import LatencyModel, blocks_for
+from backends.virtual_vllm.latency import LatencyModel, blocks_for
+
+
+class Loop(Protocol):
+    """What an instance needs of its clock: the time now, and a callback at a later time."""
+
+    @property
+    def time(self) -> float: ...
+
+    def at(self, when: float, callback: Callable[..., Any], *args: Any) -> None: ...
 
 
 class SimRequest:
@@ -114,7 +127,7 @@ class Instance:
     def __init__(
         self,
         index: int,
-        loop: Any,
+        loop: Loop,
         latency: LatencyModel,
         *,
         max_num_seqs: int = 256,
