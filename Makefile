@@ -73,7 +73,7 @@ test-postgres: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/mypy apps workers tokenpools_site bench
+	$(BIN)/mypy apps workers tokenpools_site bench backends
 
 bench-policy: venv
 	$(BIN)/python -m bench.policy --write-results
@@ -95,10 +95,10 @@ sim-experiments: venv
 
 # Our inference engine: a random-weight model for tests, a small trained one (committed) for quality.
 var/models/tiny/model.safetensors: | $(STAMP)
-	$(BIN)/python -m workers.engine.tiny_model --out var/models/tiny
+	$(BIN)/python -m backends.engine.tiny_model --out var/models/tiny
 tiny-model: venv var/models/tiny/model.safetensors
 train-tiny: venv
-	$(BIN)/python -m workers.engine.train_tiny --out workers/engine/assets/tiny-stdlib --minutes 24
+	$(BIN)/python -m backends.engine.train_tiny --out backends/engine/assets/tiny-stdlib --minutes 24
 bench-engine: venv tiny-model vllm-venv
 	$(BIN)/python -m bench.engine --throughput --quality --vs-vllm --write-results
 

@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from backends.vllm_wire import metric_sum
 from bench.results import machine_description, write_rendered_section
 
 SECTION_TITLE = "## Inference engine (`make bench-engine`)"
-TRAINED_MODEL = Path("workers/engine/assets/tiny-stdlib")
+TRAINED_MODEL = Path("backends/engine/assets/tiny-stdlib")
 OVERHEAD_POLICIES = ("fifo", "lru", "h2o", "token-pd", "global-top-m", "token-pd-per-request")
 
 
@@ -61,7 +62,7 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
     """Simulates the runner's policy calls over a full pool; only the policy's share is timed."""
     import torch
 
-    from workers.engine.eviction import PoolView, ProtectedTokens, make_policy
+    from backends.engine.eviction import PoolView, ProtectedTokens, make_policy
 
     sinks, recent = 4, 8
     slots = streams * tokens
@@ -237,23 +238,11 @@ def prompt_ids(index: int, length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def metric_value(metrics_text: str, name: str) -> float:
-    """Sum of the samples of one Prometheus family (any labels) in an exposition text; 0 when absent."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        sample, _, value = line.rpartition(" ")
-        if sample == name or sample.startswith(name + "{"):
-            total += float(value)
-    return total
-
-
 def bench_throughput_inprocess(
     model_dir: str, policy: str, streams: int, budget_tokens: int, workload: list[WorkloadRequest], seed: int
 ) -> dict[str, float]:
     """Benchmark 2 in one process: the scheduler stepped in a loop, requests submitted at their arrival."""
-    from workers.engine import (
+    from backends.engine import (
         BatchSchedulerConfig,
         CompletedEvent,
         ContinuousBatchScheduler,
@@ -263,7 +252,7 @@ def bench_throughput_inprocess(
         TenantConfig,
         TokenEvent,
     )
-    from workers.engine.runner import EngineRunner, RunnerConfig
+    from backends.engine.runner import EngineRunner, RunnerConfig
 
     runner = EngineRunner(
         model_dir, policy, RunnerConfig(budget_tokens=budget_tokens, max_batch_size=streams)
@@ -414,7 +403,7 @@ def bench_throughput_http(
 
     import httpx
 
-    from workers.engine.model import LlamaConfig
+    from backends.engine.model import LlamaConfig
 
     vocab = LlamaConfig.from_folder(Path(args.model)).vocab_size
     options = ["--policy", policy, "--kv-budget-mib", f"{budget_mib:.6f}", "--max-num-seqs", str(streams),
@@ -423,16 +412,16 @@ def bench_throughput_http(
     with serving_engine(args.model, options) as base:
         result = asyncio.run(drive_http_open_loop(base, "tiny", workload, vocab, args.seed))
         metrics = httpx.get(base + "/metrics", timeout=30).text
-    result["preemptions"] = metric_value(metrics, "vllm:num_preemptions_total")
-    result["peak_kv_tokens"] = metric_value(metrics, "tokenpools_engine_kv_peak_tokens")
-    result["budget_tokens"] = metric_value(metrics, "tokenpools_engine_kv_budget_tokens")
-    result["evicted"] = metric_value(metrics, "tokenpools_engine_tokens_evicted_total")
+    result["preemptions"] = metric_sum(metrics, "vllm:num_preemptions_total")
+    result["peak_kv_tokens"] = metric_sum(metrics, "tokenpools_engine_kv_peak_tokens")
+    result["budget_tokens"] = metric_sum(metrics, "tokenpools_engine_kv_budget_tokens")
+    result["evicted"] = metric_sum(metrics, "tokenpools_engine_tokens_evicted_total")
     return result
 
 
 def bench_throughput(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
     """Benchmark 2: each policy at each stream count on the same workload and the same KV budget."""
-    from workers.engine.model import LlamaConfig
+    from backends.engine.model import LlamaConfig
 
     bytes_per_token = LlamaConfig.from_folder(Path(args.model)).kv_bytes_per_token
     rows: list[tuple[str, int, dict]] = []
@@ -484,7 +473,7 @@ def held_out_texts(model_dir: str, count: int, length: int) -> list[list[int]]:
     """
     from tokenizers import Tokenizer
 
-    from workers.engine.train_tiny import TrainSpec, corpus_files
+    from backends.engine.train_tiny import TrainSpec, corpus_files
 
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     _, held_out = corpus_files(trained_corpus_bytes(model_dir, TrainSpec.corpus_bytes))
@@ -535,7 +524,7 @@ def held_out_check(model_dir: str) -> str:
     """Whether this machine's standard library gives the held-out split the model was trained with."""
     from tokenizers import Tokenizer
 
-    from workers.engine.train_tiny import TrainSpec, corpus_files
+    from backends.engine.train_tiny import TrainSpec, corpus_files
 
     report = Path(model_dir) / "train_report.json"
     if not report.exists():
@@ -563,7 +552,7 @@ def context_reach(args: argparse.Namespace, texts: list[list[int]]) -> list[tupl
     A per-sequence FIFO cache of 4 + w tokens gives exactly this, so the smallest w within the tolerance
     bounds what any policy can save over FIFO on this model and text.
     """
-    from workers.engine.quality import windowed_perplexity
+    from backends.engine.quality import windowed_perplexity
 
     windows: list[int | None] = [w for w in REACH_WINDOWS if w < args.quality_length]
     return [
@@ -574,7 +563,7 @@ def context_reach(args: argparse.Namespace, texts: list[list[int]]) -> list[tupl
 
 def bench_quality(args: argparse.Namespace) -> tuple[list, float, int, list[tuple[int | None, float]]]:
     """Benchmark 1: per policy, the smallest shared budget whose perplexity stays within the tolerance."""
-    from workers.engine.quality import full_cache_reference, iso_quality_budget, perplexity_of
+    from backends.engine.quality import full_cache_reference, iso_quality_budget, perplexity_of
 
     texts = held_out_texts(args.quality_model, args.quality_sequences, args.quality_length)
     if len(texts) < args.quality_sequences:

@@ -32,7 +32,7 @@ def vllm_backend() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def engine_backend() -> Iterator[str]:
-    """Our own engine (workers/engine, Token-PD) on the same tiny model, 16 slots, shared by the session."""
+    """Our own engine (backends/engine, Token-PD) on the same tiny model, 16 slots, shared by the session."""
     from tests.support.vllm import running_engine
 
     with running_engine(max_num_seqs=16) as (base_url, _process):

@@ -18,6 +18,7 @@ import logging
 import httpx
 
 from apps.policy import InstanceSnapshot, pool_saturation
+from backends import vllm_wire
 
 logger = logging.getLogger(__name__)
 
@@ -106,29 +107,9 @@ async def probe_replicas(client: httpx.AsyncClient, replica_sets: list[ReplicaSe
 
 
 def parse_vllm_metrics(text: str) -> InstanceSnapshot | None:
-    """Waiting requests, running requests and KV usage from vLLM's Prometheus text (summed over engines)."""
-    waiting = running = 0.0
-    kv_usage: list[float] = []
-    found = False
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        head, _, value_text = line.rpartition(" ")
-        name = head.split("{", 1)[0].strip()
-        try:
-            value = float(value_text)
-        except ValueError:
-            continue
-        if name == "vllm:num_requests_waiting":
-            waiting += value
-            found = True
-        elif name == "vllm:num_requests_running":
-            running += value
-            found = True
-        elif name == "vllm:kv_cache_usage_perc":
-            kv_usage.append(value)
-            found = True
-    if not found:
+    """Waiting requests, running requests and KV usage from vLLM's Prometheus text (summed over engines;
+    parsed by `backends.vllm_wire`); None when the text has none of them (not a vLLM)."""
+    metrics = vllm_wire.parse_vllm_metrics(text)
+    if not metrics.saturation_reported:
         return None
-    kv = max(kv_usage) if kv_usage else 0.0
-    return InstanceSnapshot(queue_depth=waiting, kv_utilization=min(max(kv, 0.0), 1.0), batch_size=running)
+    return InstanceSnapshot(queue_depth=metrics.waiting, kv_utilization=metrics.kv_usage, batch_size=metrics.running)

@@ -17,8 +17,8 @@ from apps.policy.ledger import AdmissionLedger
 from apps.policy.priority import Dynamics, DynamicsConfig
 from apps.policy.saturation import InstanceSnapshot, pool_saturation
 from apps.simulator.cluster import ADMIT_NOW, Cluster, GateDecision, HoldNothing
-from apps.simulator.instance import SimRequest
 from apps.simulator.workload import TenantSpec
+from backends.virtual_vllm.instance import SimRequest
 
 BLIS_POLICIES = ("always-admit", "token-bucket", "tier-shed", "gaie-legacy", "reject-all")
 

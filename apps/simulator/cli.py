@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from apps.policy.errors import PolicyConfigError
-from apps.simulator.latency import HardwareConfigError
 from apps.simulator.scenario import Scenario, ScenarioError, load_scenario, read_yaml
 from apps.simulator.simulation import SimConfig, Simulation
 from apps.simulator.workload import LengthSpec, TenantSpec
+from backends.virtual_vllm.latency import HardwareConfigError
 
 PROG = "tokenpools-sim"
 ADMISSION_CHOICES = ("always-admit", "token-bucket", "tier-shed", "gaie-legacy", "reject-all")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from apps.simulator.instance import Instance, SimRequest
+from backends.virtual_vllm.instance import Instance, SimRequest
 
 ROUTING_POLICIES = ("round-robin", "least-loaded", "kv-aware")
 

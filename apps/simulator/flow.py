@@ -17,8 +17,8 @@ from apps.policy.saturation import pool_saturation
 from apps.policy.slo import is_sheddable, merged_priorities, slo_priority
 from apps.simulator.admission import instance_snapshots
 from apps.simulator.cluster import Cluster, GateDecision
-from apps.simulator.instance import SimRequest
 from apps.simulator.simulation import SimConfig
+from backends.virtual_vllm.instance import SimRequest
 
 _FLOW_KEYS = {"enabled", "dispatch_order", "fairness_policy", "per_band_capacity", "max_gateway_queue_depth",
               "queue_shedding", "dispatch_tick_interval", "in_flight_eviction", "qd_threshold", "kv_threshold",

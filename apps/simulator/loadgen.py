@@ -28,8 +28,8 @@ from typing import Any, Protocol
 import httpx
 
 from apps.simulator.engine import EventLoop
-from apps.simulator.instance import SimRequest
 from apps.simulator.workload import LengthSpec, RatePhase, TenantSpec, Workload, WorkloadError
+from backends.virtual_vllm.instance import SimRequest
 
 STREAM_FIELDS = {"name", "key", "rate", "concurrency", "arrival", "cv", "input", "output", "stream",
                  "phases", "endpoint", "start", "stop"}

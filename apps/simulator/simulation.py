@@ -9,19 +9,9 @@ from typing import Any
 
 from apps.simulator.cluster import AdmissionAdapter, Cluster
 from apps.simulator.engine import EventLoop
-from apps.simulator.instance import Instance, SimRequest
-from apps.simulator.latency import (
-    Efficiency,
-    FixedLatency,
-    LatencyModel,
-    RooflineLatency,
-    load_hardware_file,
-    resolve_gpu,
-    resolve_model,
-)
 from apps.simulator.workload import TenantSpec, Workload
-
-DEFAULT_FIXED_KV_BLOCKS = 1_000_000
+from backends.virtual_vllm.instance import Instance, SimRequest
+from backends.virtual_vllm.spec import InstanceSpec, build_latency
 
 
 @dataclass(frozen=True)
@@ -59,21 +49,21 @@ class SimConfig:
     sample_interval_s: float | None = None
     record_latencies: bool = True
 
-
-def build_latency(config: SimConfig) -> tuple[LatencyModel, int]:
-    """The step-time model and the KV blocks per instance it implies."""
-    if config.latency_model == "fixed":
-        latency = FixedLatency(config.prefill_ms_per_token / 1000, config.decode_ms_per_token / 1000)
-        return latency, config.kv_blocks or DEFAULT_FIXED_KV_BLOCKS
-    if config.latency_model != "roofline":
-        raise ValueError(f"unknown latency model {config.latency_model!r}; expected roofline or fixed")
-    gpus, models, efficiency = None, None, Efficiency()
-    if config.hardware_file:
-        gpus, models, efficiency = load_hardware_file(config.hardware_file)
-    roofline = RooflineLatency(
-        resolve_gpu(config.gpu, gpus), resolve_model(config.model, models), efficiency, config.tensor_parallel
-    )
-    return roofline, config.kv_blocks or roofline.kv_blocks(config.block_size)
+    def instance_spec(self) -> InstanceSpec:
+        """Each instance's latency model and limits: the virtual vLLM builds its instance from the same."""
+        return InstanceSpec(
+            latency_model=self.latency_model,
+            model=self.model,
+            gpu=self.gpu,
+            prefill_ms_per_token=self.prefill_ms_per_token,
+            decode_ms_per_token=self.decode_ms_per_token,
+            hardware_file=self.hardware_file,
+            tensor_parallel=self.tensor_parallel,
+            max_num_seqs=self.max_num_seqs,
+            kv_blocks=self.kv_blocks,
+            block_size=self.block_size,
+            max_batched_tokens=self.max_batched_tokens,
+        )
 
 
 @dataclass
@@ -98,7 +88,8 @@ class Simulation:
     ) -> None:
         self.config = config
         self.loop = EventLoop()
-        latency, kv_blocks = build_latency(config)
+        spec = config.instance_spec()
+        latency, kv_blocks = build_latency(spec)
         self.latency = latency
         self.kv_blocks = kv_blocks
         instances = [
@@ -106,10 +97,10 @@ class Simulation:
                 index,
                 self.loop,
                 latency,
-                max_num_seqs=config.max_num_seqs,
+                max_num_seqs=spec.max_num_seqs,
                 kv_blocks=kv_blocks,
-                block_size=config.block_size,
-                max_batched_tokens=config.max_batched_tokens,
+                block_size=spec.block_size,
+                max_batched_tokens=spec.max_batched_tokens,
             )
             for index in range(config.num_instances)
         ]

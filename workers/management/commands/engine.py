@@ -17,12 +17,12 @@ class Command(BaseCommand):
     requires_migrations_checks = False
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        from workers.engine.server import add_engine_arguments
+        from backends.engine.server import add_engine_arguments
 
         add_engine_arguments(parser)
 
     def handle(self, *args: object, **options: object) -> None:
-        from workers.engine.server import serve, settings_from_arguments
+        from backends.engine.server import serve, settings_from_arguments
 
         namespace = argparse.Namespace(**options)
         self.stdout.write(
