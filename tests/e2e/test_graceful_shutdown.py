@@ -64,8 +64,12 @@ def _send_then_terminate(url: str, key: str, upstream: Upstream, process: object
         futures = [pool.submit(one, i) for i in range(REQUESTS)]
         deadline = time.monotonic() + 60
         while len(upstream.received) < REQUESTS and time.monotonic() < deadline:
+            if all(future.done() for future in futures):
+                break
             time.sleep(0.01)
-        assert len(upstream.received) == REQUESTS, f"only {len(upstream.received)} reached the backend"
+        ended = [future.result() for future in futures if future.done()]
+        assert len(upstream.received) == REQUESTS, (
+            f"only {len(upstream.received)} reached the backend; answered early: {ended}")
         os.killpg(process.pid, signal.SIGTERM)  # type: ignore[attr-defined]
         return [future.result() for future in futures]
 

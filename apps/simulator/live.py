@@ -1,0 +1,342 @@
+"""A scenario on the live gateway, in real time: the same tenants the simulator runs in virtual time, as
+real HTTP clients, so that the two can be compared on the same input.
+
+- Open-loop tenants send at the arrival times the simulator's own workload draws (`Workload`, seeded per
+  tenant): the same requests at the same instants as in virtual time. A 429 is retried `retries` times after
+  its Retry-After, as the simulator's client does.
+- Closed-loop tenants run `concurrency` clients, each sending its next request when the last one ends; a 429
+  makes the client wait its Retry-After and send the same work again (the simulator's `request_rejected`).
+- A tenant that joins later (`start > 0`) or leaves (`stop`) calls `on_join` / `on_leave` first (the live
+  experiment creates or removes its entitlement there, as an operator would) and sends only in between.
+
+Every request is streamed (usage included), so its time to first token is measured at the client, from the
+moment it is sent, as the simulator measures it from arrival. `summarize_live` gives the per-tenant figures in
+the simulator's summary format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from apps.simulator.engine import EventLoop
+from apps.simulator.loadgen import retry_after_s
+from apps.simulator.simulation import percentile
+from apps.simulator.workload import TenantSpec, Workload
+from backends.virtual_vllm.instance import SimRequest
+
+JoinHook = Callable[[TenantSpec], Awaitable[str | None]]
+# A key not yet in the gateway's snapshot answers 401 for up to a snapshot poll after a join: ask again.
+UNKNOWN_KEY_RETRY_S = 0.05
+
+
+@dataclass(frozen=True)
+class LiveRecord:
+    tenant: str
+    sent_at: float  # seconds since the run started
+    status: int  # 0: no answer (connection error, timeout)
+    reason: str = ""  # x-tokenpools-reject-reason, or the error code
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    attempt: int = 0
+    # What a 429 asked the client to wait (Retry-After).
+    retry_after_s: float | None = None
+
+
+@dataclass
+class _Tenant:
+    spec: TenantSpec
+    key: str | None
+    # The tenant's lengths, drawn as the simulator draws them (one generator per tenant, seeded alike).
+    rng: random.Random
+    active: bool = False
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class _Arrivals:
+    """Stands in for the simulator's gateway while the workload draws the open-loop arrivals."""
+
+    def __init__(self) -> None:
+        self.requests: list[SimRequest] = []
+
+    def submit(self, request: SimRequest) -> None:
+        self.requests.append(request)
+
+
+def open_loop_arrivals(tenants: list[TenantSpec], *, seed: int, horizon_s: float) -> list[SimRequest]:
+    """The open-loop requests of `tenants` as the simulator draws them (closed-loop ones are live clients)."""
+    open_loop = [t for t in tenants if t.concurrency == 0]
+    loop = EventLoop()
+    collector = _Arrivals()
+    Workload(loop, collector, open_loop, seed).start()
+    loop.run(until=horizon_s)
+    return [r for r in collector.requests if r.arrival < horizon_s]
+
+
+class LiveWorkload:
+    def __init__(
+        self,
+        tenants: list[TenantSpec],
+        *,
+        url: str,
+        keys: Mapping[str, str],
+        model: str,
+        seed: int,
+        horizon_s: float,
+        on_join: JoinHook | None = None,
+        on_leave: Callable[[TenantSpec], Awaitable[None]] | None = None,
+        timeout_s: float = 120.0,
+        max_connections: int = 512,
+    ) -> None:
+        self.tenants = {t.name: _Tenant(t, keys.get(t.name), random.Random(f"{seed}:{t.name}")) for t in tenants}
+        self.url = url.rstrip("/")
+        self.model = model
+        self.seed = seed
+        self.horizon_s = horizon_s
+        self.on_join = on_join
+        self.on_leave = on_leave
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self.records: list[LiveRecord] = []
+        self._origin = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self._origin
+
+    async def run(self) -> list[LiveRecord]:
+        limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections,
+                              keepalive_expiry=3.0)
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+            self._client = client
+            arrivals = open_loop_arrivals([t.spec for t in self.tenants.values()], seed=self.seed,
+                                          horizon_s=self.horizon_s)
+            self._origin = time.monotonic()
+            lifecycle = [asyncio.create_task(self._lifecycle(tenant)) for tenant in self.tenants.values()]
+            sender = asyncio.create_task(self._open_loop(arrivals))
+            await asyncio.sleep(self.horizon_s)
+            sender.cancel()
+            for task in lifecycle:
+                task.cancel()
+            running = [task for tenant in self.tenants.values() for task in tenant.tasks]
+            await asyncio.gather(sender, *lifecycle, return_exceptions=True)
+            # Requests sent before the horizon end as they end; nothing new is sent.
+            await asyncio.gather(*running, return_exceptions=True)
+        return self.records
+
+    # --- tenants joining and leaving ---------------------------------------------------------------------
+
+    async def _lifecycle(self, tenant: _Tenant) -> None:
+        spec = tenant.spec
+        await asyncio.sleep(max(0.0, spec.start - self.now()))
+        if spec.start > 0 and self.on_join is not None:
+            key = await self.on_join(spec)
+            tenant.key = key or tenant.key
+        tenant.active = True
+        for _ in range(spec.concurrency):
+            tenant.tasks.append(asyncio.create_task(self._closed_loop(tenant)))
+        if spec.stop is None or spec.stop >= self.horizon_s:
+            return
+        await asyncio.sleep(max(0.0, spec.stop - self.now()))
+        tenant.active = False
+        if self.on_leave is not None:
+            await self.on_leave(spec)
+
+    def _sending(self, tenant: _Tenant) -> bool:
+        spec = tenant.spec
+        now = self.now()
+        return tenant.active and now < self.horizon_s and (spec.stop is None or now < spec.stop)
+
+    # --- clients -------------------------------------------------------------------------------------------
+
+    async def _closed_loop(self, tenant: _Tenant) -> None:
+        spec = tenant.spec
+        while self._sending(tenant):
+            prompt, output = spec.input.sample(tenant.rng), spec.output.sample(tenant.rng)
+            attempt = 0
+            while self._sending(tenant):
+                record = await self._send(tenant, prompt, output, attempt)
+                if record.status != 429:
+                    if record.status != 200:
+                        await asyncio.sleep(spec.retry_backoff_s)
+                    elif spec.think_time_s:
+                        await asyncio.sleep(spec.think_time_s)
+                    break
+                # A rejected closed-loop client waits as told, then sends the same work again.
+                attempt += 1
+                await asyncio.sleep(self._wait_after(record, spec))
+
+    async def _open_loop(self, arrivals: list[SimRequest]) -> None:
+        for request in arrivals:
+            await asyncio.sleep(max(0.0, request.arrival - self.now()))
+            tenant = self.tenants[request.tenant]
+            if not self._sending(tenant):
+                continue
+            tenant.tasks.append(asyncio.create_task(
+                self._open_loop_request(tenant, request.prompt_tokens, request.output_tokens)))
+
+    async def _open_loop_request(self, tenant: _Tenant, prompt: int, output: int) -> None:
+        spec = tenant.spec
+        for attempt in range(spec.retries + 1):
+            record = await self._send(tenant, prompt, output, attempt)
+            if record.status != 429 or attempt == spec.retries or not self._sending(tenant):
+                return
+            await asyncio.sleep(self._wait_after(record, spec))
+
+    @staticmethod
+    def _wait_after(record: LiveRecord, spec: TenantSpec) -> float:
+        wait = record.retry_after_s
+        return wait if wait is not None and wait > 0 else spec.retry_backoff_s
+
+    async def _send(self, tenant: _Tenant, prompt: int, output: int, attempt: int) -> LiveRecord:
+        """One streamed completion; the record goes to `self.records` (a 401 of a key that the gateway has
+        not loaded yet is asked again, not recorded)."""
+        body = {"model": self.model, "prompt": " ".join(["hello"] * max(1, prompt)), "max_tokens": output,
+                "stream": True, "stream_options": {"include_usage": True}}
+        while True:
+            sent_at = self.now()
+            started = time.monotonic()
+            record = await self._stream(tenant, body, sent_at, started, attempt)
+            if record.status == 401 and self._sending(tenant):
+                await asyncio.sleep(UNKNOWN_KEY_RETRY_S)
+                continue
+            self.records.append(record)
+            return record
+
+    async def _stream(self, tenant: _Tenant, body: dict[str, Any], sent_at: float, started: float,
+                      attempt: int) -> LiveRecord:
+        name = tenant.spec.name
+        headers = {"Authorization": f"Bearer {tenant.key}"}
+        try:
+            async with self._client.stream("POST", self.url + "/v1/completions", json=body,
+                                           headers=headers) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    reason = response.headers.get("x-tokenpools-reject-reason", "")
+                    wait = retry_after_s(response.headers) if response.status_code == 429 else None
+                    return LiveRecord(name, sent_at, response.status_code, reason or _error_code(response),
+                                      attempt=attempt, retry_after_s=wait)
+                ttft: float | None = None
+                tokens = 0
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if ttft is None and '"text"' in line:
+                        ttft = time.monotonic() - started
+                    if '"usage"' in line and '"completion_tokens"' in line:
+                        tokens = _completion_tokens(line)
+                return LiveRecord(name, sent_at, 200, "", ttft, time.monotonic() - started, tokens, attempt)
+        except httpx.HTTPError as error:
+            return LiveRecord(name, sent_at, 0, type(error).__name__, attempt=attempt)
+
+
+def _error_code(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def _completion_tokens(line: str) -> int:
+    try:
+        usage = json.loads(line[6:]).get("usage") or {}
+        return int(usage.get("completion_tokens") or 0)
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
+# --- the live site a scenario needs ---------------------------------------------------------------------------
+
+# KV cache allowance of an entitlement whose scenario gives none (the simulator then checks no KV at all):
+# far more than its requests can hold, so that on the live side too KV never decides.
+UNBOUNDED_KV_GIB = 1
+
+
+def live_entitlement(tenant: TenantSpec, *, pool: str, owner: str) -> dict[str, Any]:
+    """The REST body (`/api/v1/entitlements/`) of a scenario tenant's entitlement on `pool`."""
+    spec = tenant.entitlement
+    rate = spec.get("tokens_per_second")
+    if rate is None:
+        raise ValueError(f"tenant {tenant.name!r}: a live run needs entitlement.tokens_per_second "
+                         "(the simulator leaves a missing rate unlimited; the site cannot)")
+    kv_bytes = spec.get("kv_bytes")
+    return {
+        "name": tenant.name, "tenant": owner, "pool": pool,
+        "service_class": str(spec.get("service_class", "elastic")),
+        "slo_target_ms": int(spec.get("slo_target_ms", tenant.slo_target_ms or 1000)),
+        "tokens_per_second": int(rate),
+        "kv_cache_gib": str(UNBOUNDED_KV_GIB if kv_bytes is None else round(float(kv_bytes) / 1024**3, 6)),
+        "concurrency": int(spec.get("concurrency") or 1),
+    }
+
+
+def scenario_manifest(tenants: list[TenantSpec], *, pool: str, owner: str, backend_urls: list[str],
+                      slots_per_replica: int) -> str:
+    """Manifest documents for a live run: the pool (the virtual vLLM replicas) and the entitlements of the
+    tenants present from the start (the others join through `on_join`). Throughput and KV capacity are
+    sized so that only the slots and the entitlements' own limits decide, as in the simulator."""
+    rates = sum(live_entitlement(t, pool=pool, owner=owner)["tokens_per_second"] for t in tenants)
+    replicas = ", ".join(f'{{url: "{url}"}}' for url in backend_urls)
+    documents = [f"""apiVersion: tokenpools.io/v1alpha1
+kind: TokenPool
+metadata: {{name: {pool}}}
+spec:
+  model: {pool}
+  backend: {{kind: vllm, replicas: [{replicas}]}}
+  scaling: {{minReplicas: 1, maxReplicas: {len(backend_urls)}}}
+  capacityPerReplica: {{slots: {slots_per_replica}, tokensPerSecond: {max(100_000, rates)}, kvCacheGiB: 64}}
+  kvGeometry: {{layers: 4, kvHeads: 2, headDim: 64, bytesPerElement: 4}}
+"""]
+    for tenant in tenants:
+        if tenant.start > 0:
+            continue
+        body = live_entitlement(tenant, pool=pool, owner=owner)
+        documents.append(f"""apiVersion: tokenpools.io/v1alpha1
+kind: TokenEntitlement
+metadata: {{name: {body['name']}}}
+spec:
+  tenantId: {owner}
+  poolRef: {{name: {pool}}}
+  qos: {{serviceClass: {body['service_class']}, sloTargetMs: {body['slo_target_ms']}}}
+  resources: {{tokensPerSecond: {body['tokens_per_second']}, kvCacheGiB: {body['kv_cache_gib']}, concurrency: {body['concurrency']}}}
+""")
+    return "---\n".join(documents)
+
+
+def summarize_live(records: list[LiveRecord], tenants: list[TenantSpec], horizon_s: float) -> dict[str, Any]:
+    """Per-tenant figures of a live run, in the simulator summary's `tenants` format."""
+    per_tenant: dict[str, Any] = {}
+    for spec in sorted(tenants, key=lambda t: t.name):
+        mine = [r for r in records if r.tenant == spec.name]
+        ok = [r for r in mine if r.status == 200]
+        denials: dict[str, int] = {}
+        for record in mine:
+            if record.status == 429:
+                denials[record.reason] = denials.get(record.reason, 0) + 1
+        ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+        e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+        per_tenant[spec.name] = {
+            "submitted": len(mine),
+            "admitted": len(ok),
+            "rejected": sum(1 for r in mine if r.status == 429),
+            "errors": sum(1 for r in mine if r.status not in (200, 429)),
+            "output_tokens": sum(r.output_tokens for r in ok),
+            "throughput_tokens_per_s": round(sum(r.output_tokens for r in ok) / horizon_s, 4),
+            "ttft_p50_s": _round(percentile(ttft, 50)),
+            "ttft_p99_s": _round(percentile(ttft, 99)),
+            "e2e_p50_s": _round(percentile(e2e, 50)),
+            "e2e_p99_s": _round(percentile(e2e, 99)),
+            "denials": dict(sorted(denials.items())),
+        }
+    return per_tenant
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
