@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.baseline import source_tree
 from bench.results import machine_description, write_section
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.services import free_port, running_redis, stop_process_group, wait_for_port
@@ -125,15 +126,31 @@ http {{
         yield f"http://127.0.0.1:{port}"
 
 
-def prepare_bench_site(workdir: Path, upstream: str) -> PreparedSite:
-    """A fresh site with one pool on the upstream and one roomy dedicated entitlement (never the limit)."""
-    env = {"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"}
+def prepare_bench_site(workdir: Path, upstream: str, repo: Path = REPO) -> PreparedSite:
+    """A fresh site with one pool on the upstream and one roomy dedicated entitlement (never the limit),
+    served from `repo` (this checkout, or another commit's for a side-by-side run)."""
+    env = {"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory", "PYTHONPATH": str(repo)}
     manifest = documents(
         tiny_pool(MODEL, upstream, slots=100_000, tokens_per_second=1_000_000_000, kv_cache_gib=100_000),
         entitlement("bench", tenant="bench", pool=MODEL, service_class="dedicated", concurrency=50_000,
                     tokens_per_second=100_000_000, kv_cache_gib=1000, slo_target_ms=1000),
     )
-    return prepare_site(workdir, tenants=["bench"], manifest=manifest, key_for=["bench"], env=env)
+    return prepare_site(workdir, tenants=["bench"], manifest=manifest, key_for=["bench"], env=env, repo=repo,
+                        database=f"site-{repo.name}.sqlite3")
+
+
+def measure_site(label: str, site: PreparedSite, args: argparse.Namespace, workdir: Path) -> list[Measurement]:
+    """The site with the in-process store, then with Redis (two targets)."""
+    key = site.keys["bench"]
+    rows: list[Measurement] = []
+    with serving(site, log_name=f"gateway-memory-{site.repo.name}.log", cpu_core=SERVER_CORE) as (url, _):
+        rows += measure(f"tokenpools (memory){label}", url, key, args, workdir)
+    with running_redis() as redis_url, serving(
+        site, env={"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis"},
+        log_name=f"gateway-redis-{site.repo.name}.log", cpu_core=SERVER_CORE,
+    ) as (url, _):
+        rows += measure(f"tokenpools (redis){label}", url, key, args, workdir)
+    return rows
 
 
 @contextlib.contextmanager
@@ -241,7 +258,7 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
     lines = [
         f"Command: `python -m bench.gateway --duration {args.duration} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --paced-rate {' '.join(f'{r:g}' for r in args.paced_rate)}"
-        f"{' --no-litellm' if args.no_litellm else ''}`  ",
+        f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}`  ",
         f"Machine: {machine_description()}; proxy pinned to core 0, nginx + Redis + wrk on core 1  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -287,7 +304,42 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         if {target, "litellm", "direct"} <= set(paced_by_target):
             ratio_paced = _added_ratio(paced_by_target[target], paced_by_target["litellm"], paced_by_target["direct"])
         lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_closed} | {ratio_paced} |")
+    lines += _baseline_rows(rows)
     return "\n".join(lines)
+
+
+def _baseline_rows(rows: list[Measurement]) -> list[str]:
+    """This commit against the baseline commit measured in the same run: ratios (this / baseline) of
+    requests/s (higher is better) and of the latency added over direct (lower is better)."""
+    baseline = {r.target.split(" @")[0]: r.target for r in rows if " @" in r.target}
+    if not baseline:
+        return []
+    direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
+    by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
+    lines = ["", f"This commit against {next(iter(baseline.values())).split(' @')[1]} (same run; ratios this / "
+             "baseline; requests/s higher is better, added latency lower is better):", "",
+             "| store | load | req/s | req/s ratio | added p50 ms (base) | added p50 ratio | added p99 ms (base) "
+             "| added p99 ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for target, base_target in baseline.items():
+        for (name, concurrency, rate), ours in by_key.items():
+            if name != target:
+                continue
+            base, plain = by_key.get((base_target, concurrency, rate)), direct.get((concurrency, rate))
+            if base is None or plain is None:
+                continue
+            load = f"{concurrency} streams" if rate is None else f"paced {rate:g}/s"
+            add50, base50 = ours.p50_ms - plain.p50_ms, base.p50_ms - plain.p50_ms
+            add99, base99 = ours.p99_ms - plain.p99_ms, base.p99_ms - plain.p99_ms
+            lines.append(
+                f"| {target.split('(')[1].rstrip(')')} | {load} | {ours.requests_per_s:.0f} "
+                f"({base.requests_per_s:.0f}) | {ours.requests_per_s / base.requests_per_s:.2f} "
+                f"| {add50:.2f} ({base50:.2f}) | {_ratio(add50, base50)} | {add99:.2f} ({base99:.2f}) "
+                f"| {_ratio(add99, base99)} |")
+    return lines
+
+
+def _ratio(ours: float, base: float) -> str:
+    return f"{ours / base:.2f}" if base > 0.05 else "n/a"
 
 
 def _latency_rows(rows: list[Measurement], direct: dict[int, Measurement]) -> list[str]:
@@ -314,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"requests/s offered together by {PACED_STREAMS} paced streams, one run per rate "
                              "(none: skip the paced runs)")
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (when var/litellm-venv is missing)")
+    parser.add_argument("--baseline", metavar="REF",
+                        help="also measure the gateway of this commit (e.g. HEAD~1), side by side in the same run")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None or shutil.which("nginx") is None:
@@ -328,15 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         with nginx_upstream(workdir) as upstream:
             print(f"upstream {upstream}", file=sys.stderr)
             rows += measure("direct", upstream, "unused", args, workdir)
-            site = prepare_bench_site(workdir, upstream)
-            key = site.keys["bench"]
-            with serving(site, log_name="gateway-memory.log", cpu_core=SERVER_CORE) as (url, _):
-                rows += measure("tokenpools (memory)", url, key, args, workdir)
-            with running_redis() as redis_url, serving(
-                site, env={"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis"},
-                log_name="gateway-redis.log", cpu_core=SERVER_CORE,
-            ) as (url, _):
-                rows += measure("tokenpools (redis)", url, key, args, workdir)
+            with contextlib.ExitStack() as stack:
+                if args.baseline:
+                    # The baseline commit first, then this one: the same machine, minutes apart.
+                    tree = stack.enter_context(source_tree(args.baseline))
+                    rows += measure_site(f" @{tree.name}", prepare_bench_site(workdir, upstream, tree), args, workdir)
+                rows += measure_site("", prepare_bench_site(workdir, upstream), args, workdir)
             if not args.no_litellm:
                 with litellm_proxy(upstream, workdir) as url:
                     rows += measure("litellm", url, LITELLM_MASTER_KEY, args, workdir)

@@ -17,7 +17,9 @@ import gc
 import os
 import platform
 import random
+import re
 import statistics
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -223,15 +225,84 @@ def render(rows: list[tuple[str, float, float, float]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+ROW = re.compile(r"^(?P<name>.+?)\s+p50\s+(?P<p50>[\d.]+) us\s+p99\s+(?P<p99>[\d.]+) us\s+mean\s+(?P<mean>[\d.]+) us$")
+Row = tuple[str, float, float, float]
+
+
+def run_tree(tree: Path, args: argparse.Namespace) -> list[Row]:
+    """This benchmark as `tree`'s code has it, in a process of its own; its printed rows."""
+    cmd = [sys.executable, "-m", "bench.policy", "--decisions", str(args.decisions), "--drr-ops", str(args.drr_ops),
+           "--seed", str(args.seed)]
+    out = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+                         check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        match = ROW.match(line.strip())
+        if match:
+            rows.append((match["name"].strip(), float(match["p50"]), float(match["p99"]), float(match["mean"])))
+    return rows
+
+
+def side_by_side(args: argparse.Namespace, rounds: int = 3) -> tuple[list[Row], list[Row], str]:
+    """This commit and the baseline in alternating processes, `rounds` each; the median of each figure."""
+    from bench.baseline import REPO, source_tree
+
+    with source_tree(args.baseline) as tree:
+        ours: list[list[Row]] = []
+        theirs: list[list[Row]] = []
+        for _ in range(rounds):
+            theirs.append(run_tree(tree, args))
+            ours.append(run_tree(REPO, args))
+        name = tree.name
+
+    def medians(runs: list[list[Row]]) -> list[Row]:
+        def median(i: int, k: int) -> float:
+            return float(statistics.median([float(run[i][k]) for run in runs]))
+
+        return [(runs[0][i][0], median(i, 1), median(i, 2), median(i, 3)) for i in range(len(runs[0]))]
+
+    return medians(ours), medians(theirs), name
+
+
+def render_comparison(ours: list[Row], theirs: list[Row], baseline: str) -> str:
+    def key(name: str) -> str:
+        return name.split(" (")[0]
+
+    base = {key(row[0]): row for row in theirs}
+    lines = ["", f"This commit against {baseline}, measured side by side (alternating processes, median of 3 each; "
+             "ratio this / baseline, lower is faster):", "",
+             "| measurement | p50 us (base) | p50 ratio | p99 us (base) | p99 ratio | mean us (base) | mean ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, p50, p99, mean in ours:
+        other = base.get(key(name))
+        if other is None:
+            continue
+        lines.append(f"| {key(name)} | {p50:.2f} ({other[1]:.2f}) | {p50 / other[1]:.2f} | {p99:.2f} ({other[2]:.2f}) "
+                     f"| {p99 / other[2]:.2f} | {mean:.2f} ({other[3]:.2f}) | {mean / other[3]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decisions", type=int, default=50_000, help="admission decisions per measurement")
     parser.add_argument("--drr-ops", type=int, default=200_000, help="DRR enqueue+dispatch pairs")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--baseline", metavar="REF",
+                        help="measure this commit and REF (e.g. HEAD~1) side by side, alternating processes")
     parser.add_argument("--write-results", action="store_true", help="update bench/RESULTS.md")
     args = parser.parse_args(argv)
     if args.decisions < 1 or args.drr_ops < 1:
         parser.error("--decisions and --drr-ops must be positive")
+    if args.baseline:
+        ours, theirs, name = side_by_side(args)
+        for row in ours:
+            print(f"{row[0]:<70} p50 {row[1]:7.2f} us   p99 {row[2]:7.2f} us   mean {row[3]:7.2f} us", flush=True)
+        command = "python -m bench.policy " + " ".join(argv if argv is not None else sys.argv[1:])
+        section = render(ours, command.strip()) + render_comparison(ours, theirs, name)
+        print(section)
+        if args.write_results:
+            write_rendered_section(section, Path(__file__).resolve().parent / "RESULTS.md")
+        return 0
 
     benches: list[Callable[[], tuple[str, float, float, float]]] = [
         lambda: bench_ledger(args.decisions, args.seed),

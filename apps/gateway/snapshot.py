@@ -19,11 +19,9 @@ from types import MappingProxyType
 from typing import Any
 
 from apps.gateway.config import GatewayConfig
-from apps.policy import EntitlementLimits, EntitlementState
+from apps.policy import EntitlementLimits, EntitlementState, ServiceClass
 
 logger = logging.getLogger(__name__)
-
-_RESERVING = frozenset({"dedicated", "guaranteed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +140,8 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
             context_window=config.context_window,
             mean_slo_ms=(sum(slos) / len(slos)) if slos else 1000.0,
             reserved=tuple(
-                (e.name, e.concurrency, float(e.kv_cache_bytes)) for e in bound if e.service_class in _RESERVING
+                (e.name, e.concurrency, float(e.kv_cache_bytes)) for e in bound
+                if ServiceClass.parse(e.service_class).traits.reserved
             ),
             entitlements=tuple(limits_by_name[pool.name].values()),
         )

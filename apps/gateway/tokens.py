@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from backends.vllm_wire import TOKENIZE_PATH, read_tokenize_response, tokenize_request
+
 RETRY_UNSUPPORTED_S = 60.0
 CACHE_ENTRIES = 4096
 # Roughly four characters per token for English text (OpenAI's rule of thumb), plus the per-message
@@ -76,13 +78,12 @@ class TokenCounter:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
-        body: dict[str, Any] = {"model": model}
         if kind == "chat":
-            body["messages"] = payload.get("messages")
+            body = tokenize_request(model=model, messages=payload.get("messages"))
         else:
-            body["prompt"] = payload.get("prompt")
+            body = tokenize_request(model=model, prompt=payload.get("prompt"))
         try:
-            response = await client.post(urls[0] + "/tokenize", json=body, timeout=2.0)
+            response = await client.post(urls[0] + TOKENIZE_PATH, json=body, timeout=2.0)
         except httpx.HTTPError:
             return estimate_tokens(kind, payload)
         if response.status_code != 200:
@@ -91,12 +92,14 @@ class TokenCounter:
             self._unsupported_until[(pool, kind)] = time.monotonic() + RETRY_UNSUPPORTED_S
             return estimate_tokens(kind, payload)
         try:
-            data = response.json()
-            count = int(data["count"])
-        except (ValueError, KeyError, TypeError):
+            result = read_tokenize_response(response.json())
+        except ValueError:
+            result = None
+        if result is None:
             return estimate_tokens(kind, payload)
-        if isinstance(data.get("max_model_len"), int):
-            self.max_model_len[pool] = data["max_model_len"]
+        count = result.count
+        if result.max_model_len is not None:
+            self.max_model_len[pool] = result.max_model_len
         self._cache[key] = count
         if len(self._cache) > CACHE_ENTRIES:
             self._cache.popitem(last=False)

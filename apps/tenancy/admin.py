@@ -1,6 +1,6 @@
 """Django admin (``/django-admin/``, superusers) for tenants, memberships and API keys.
 
-Keys are created through the API, the UI or ``manage.py create_key`` (the secret must be shown once);
+Tenants are deleted through the UI or the REST API (which rebind their pools), not here. Keys are created through the API, the UI or ``manage.py create_key`` (the secret must be shown once);
 here they can only be inspected and revoked.
 """
 
@@ -25,6 +25,12 @@ class TenantAdmin(admin.ModelAdmin):
     list_display = ["slug", "name", "created_at"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
+
+    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
+        # Deleting a tenant frees the capacity its entitlements reserved, so the pools must be rebound in the
+        # same operation (apps.operations.tenants.tenant_delete): the UI and the REST API do that; a bare
+        # admin delete would leave other entitlements Degraded for no reason.
+        return False
 
 
 @admin.register(Membership)

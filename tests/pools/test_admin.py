@@ -66,3 +66,11 @@ def test_api_shows_past_expiry_as_expired_before_the_tick(admin: Any, acme: Any,
     assert body["state"] == "Expired" and "expired at" in body["state_reason"]
     assert client_as(owner).get("/api/v1/entitlements/?state=Bound").json()["count"] == 0
     assert client_as(owner).get("/api/v1/entitlements/?state=Expired").json()["count"] == 1
+
+
+@pytest.mark.django_db
+def test_tenants_cannot_be_deleted_in_the_admin(admin_client_logged_in: Client, acme: Any) -> None:
+    # Deleting a tenant must rebind its pools (apps.operations.tenants): the UI and the REST API do it.
+    response = admin_client_logged_in.post(f"/django-admin/tenancy/tenant/{acme.pk}/delete/", {"post": "yes"})
+    assert response.status_code == 403
+    assert type(acme).objects.filter(pk=acme.pk).exists()
