@@ -1,22 +1,27 @@
-"""The `/v1/*` gateway: key -> entitlement snapshot, admission through apps.policy, state store
-(memory or Redis), per-pool DRR queue with AIMD, routing, streaming proxy, accounting, metrics.
+"""The `/v1/*` gateway: an OpenAI-compatible proxy that admits every request through the pool's admission
+state machine (apps.policy) before it reaches a backend.
 
-Module map
-----------
-asgi.py        `gateway_application()` (process-wide `Gateway`), `dispatch(site_app)` used by
-               tokenpools_site/asgi.py to send `/v1/*` and `/metrics` here.
-app.py         `Gateway`: the raw ASGI app (request path, background tasks, preemption).
-snapshot.py    `Snapshot`, `SnapshotCache`, `snapshot_load` (ORM -> immutable dicts, in a thread).
-state.py       `GatewayStateStore` interface, `MemoryStateStore`, `StateStoreUnavailable`.
-redis_state.py `RedisStateStore`: Lua read + compare-and-set commit, idempotent release, leases,
-               eviction pub/sub.
-scheduler.py   `PoolScheduler` (BudgetScheduler + AimdController per pool), `aimd_tick_all`.
-routing.py     `ReplicaSet` (least outstanding, health), `probe_replicas`, `parse_vllm_metrics`.
-requests.py    body validation; tokens.py input token counts; errors.py OpenAI-style errors;
-metrics.py     Prometheus text; usage.py / services.py / models.py / api.py usage records.
+The request path, one module per step (`app.Gateway._completion` reads top to bottom):
+    auth.py         authenticate: the bearer key to its entitlement (`snapshot.Snapshot`, no database)
+    parse.py        parse: read and validate the body and the llm-d headers
+    tokens.py       count tokens: the backend's `/tokenize` (cached), else an estimate
+    admission.py    admit or wait: the pool's state machine, then a slot of the dispatch budget
+    upstream.py     route: a healthy replica, fewest outstanding first (`routing.ReplicaSet`), and send
+    relay.py        relay: the answer to the client, chunk by chunk, learning usage and TTFT
+    account.py      account: the hold given back (unused tokens refunded), usage and metrics recorded
+with context.py (one request's state and how it answers) and errors.py (OpenAI-style errors).
 
-Settings
---------
-`GatewayConfig.from_settings()` (config.py) reads the `GATEWAY_*` Django settings, which
+The state behind admission, one interface (state.py) and two implementations:
+    memory_state.py one `apps.policy.AdmissionLedger` per pool: the simulator's state machine itself
+    redis_state.py  the same transitions as Lua scripts (lua/), for several gateway processes; proven equal to
+                    the ledger by `make conformance` (tests/conformance)
+
+Around the requests: process.py (the periodic loops of a gateway process, its gauges, its clean stop),
+scheduler.py (per-pool DRR over the AIMD budget, seed 002), loops.py and control.py (the EWMA and AIMD
+control loops as the tick runners call them, and their state), snapshot.py (keys, entitlements and pools
+loaded from the database when they change), metrics.py (Prometheus text), usage.py / services.py /
+models.py / api.py (usage records), asgi.py (`gateway_application()` and the path dispatcher the site uses).
+
+Settings: `GatewayConfig.from_settings()` (config.py) reads the `GATEWAY_*` Django settings, which
 tokenpools_site/settings.py reads from the environment; the README's Configuration section lists them.
 """

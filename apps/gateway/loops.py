@@ -32,10 +32,10 @@ from apps.gateway.control import (
     AimdRecord,
     ControlState,
     MemoryControlState,
-    RedisControlState,
     aimd_tick,
     aimd_tick_shared,
 )
+from apps.gateway.control_redis import RedisControlState
 from apps.policy import Dynamics, EntitlementLimits, ttft_histogram_bounds
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from apps.gateway.control import (
     AimdRecord,
     ControlState,
     MemoryControlState,
-    RedisControlState,
     aimd_tick,
     aimd_tick_shared,
 )
+from apps.gateway.control_redis import RedisControlState
 from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.redis_state import RedisStateStore
 from apps.policy import InstanceSnapshot, ttft_histogram_bounds

@@ -158,7 +158,7 @@ def _budget_gauge(url: str) -> float:
 @pytest.fixture
 def shared_control(redis_url: str) -> Iterator[Any]:
     """The control loops' state in the same Redis, isolated from other tests, in the gateways' buckets."""
-    from apps.gateway.control import RedisControlState
+    from apps.gateway.control_redis import RedisControlState
     from apps.policy import ttft_histogram_bounds
 
     state = RedisControlState(url=redis_url, bounds=ttft_histogram_bounds(0.5))

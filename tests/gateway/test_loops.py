@@ -15,7 +15,8 @@ import pytest
 from django.utils import timezone
 
 from apps.gateway import loops
-from apps.gateway.control import AimdRecord, MemoryControlState, RedisControlState
+from apps.gateway.control import AimdRecord, MemoryControlState
+from apps.gateway.control_redis import RedisControlState
 from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo

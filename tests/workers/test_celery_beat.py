@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from apps.gateway.control import RedisControlState
+from apps.gateway.control_redis import RedisControlState
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
 from apps.policy import AdmissionRequest, EntitlementLimits
