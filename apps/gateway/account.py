@@ -7,7 +7,8 @@ cancels it if it was still waiting, and the tokens it used go to the metrics and
 
 A release the store could not take (Redis away) is not dropped: it is kept and tried again every second
 until the store takes it (`retry_pending`), so nothing stays held once the store is back; releases are
-idempotent in the store, so a retry of one that did land changes nothing.
+idempotent in the store, so a retry of one that did land changes nothing (its usage is not counted twice
+either: a store that counts usage does it in the release that finds the request).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 
 from apps.gateway.admission import Admission, InFlight
 from apps.gateway.metrics import GatewayMetrics
-from apps.gateway.state import GatewayStateStore, Reservation, StateStoreUnavailable
-from apps.gateway.usage import UsageAccumulator
+from apps.gateway.state import GatewayStateStore, Reservation, StateStoreUnavailable, UsageKey
+from apps.gateway.usage import UsageAccumulator, current_minute
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class PendingRelease:
     reservation: Reservation
     prompt_tokens: int | None
     completion_tokens: int | None
+    usage: UsageKey | None
 
 
 class Accountant:
@@ -50,31 +52,34 @@ class Accountant:
             # A reservation in a shared store gives its slot of the pool budget back in its own release.
             await scheduler.release_request(ctx.request_id, store_releases_slot=reservation.accounted)
         prompt, completion = ctx.served.counts(reservation.input_tokens)
+        entitlement = admission.entry.entitlement
+        # A store that counts usage does it in the release itself (nothing is lost if this process dies).
+        in_store = ctx.proxied and reservation.accounted and self.store.records_usage
+        usage = UsageKey(admission.entry.tenant_id, current_minute()) if in_store else None
         if ctx.proxied:
-            await self.release(reservation, prompt, completion)
+            await self.release(reservation, prompt, completion, usage)
         else:
             # Nothing reached a backend (expired, cancelled, no dispatch slot): the whole charge comes back.
-            await self.release(reservation, 0, 0)
+            await self.release(reservation, 0, 0, None)
         scheduler.slot_freed()
-        entitlement = admission.entry.entitlement
         self.metrics.tokens.inc((entitlement, "prompt"), prompt)
         self.metrics.tokens.inc((entitlement, "completion"), completion)
         self.metrics.duration.observe((admission.pool.name,), time.perf_counter() - ctx.started)
-        if ctx.proxied:
+        if ctx.proxied and not in_store:
             self.usage.add(tenant_id=admission.entry.tenant_id, entitlement=entitlement, prompt_tokens=prompt,
                            completion_tokens=completion)
 
-    async def release(self, reservation: Reservation, prompt_tokens: int | None,
-                      completion_tokens: int | None) -> None:
+    async def release(self, reservation: Reservation, prompt_tokens: int | None, completion_tokens: int | None,
+                      usage: UsageKey | None) -> None:
         if not reservation.accounted:
             return
         try:
             # Shielded: a cancellation (shutdown, client gone) must not leave the reservation held.
             await asyncio.shield(self.store.release(reservation=reservation, prompt_tokens=prompt_tokens,
-                                                    completion_tokens=completion_tokens))
+                                                    completion_tokens=completion_tokens, usage=usage))
         except StateStoreUnavailable:
             logger.warning("release of %s deferred: state store unreachable", reservation.request_id)
-            self.pending.append(PendingRelease(reservation, prompt_tokens, completion_tokens))
+            self.pending.append(PendingRelease(reservation, prompt_tokens, completion_tokens, usage))
 
     async def retry_pending(self) -> int:
         """Try the deferred releases again (every second); returns how many the store took."""
@@ -83,7 +88,7 @@ class Accountant:
             item = self.pending[0]
             try:
                 await self.store.release(reservation=item.reservation, prompt_tokens=item.prompt_tokens,
-                                         completion_tokens=item.completion_tokens)
+                                         completion_tokens=item.completion_tokens, usage=item.usage)
             except StateStoreUnavailable:
                 break
             self.pending.pop(0)

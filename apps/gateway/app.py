@@ -160,7 +160,7 @@ class Gateway:
                 pool.name, pool.concurrency_capacity, acquire_timeout_s=self.config.acquire_timeout_s,
                 ttft_target_s=self.config.ttft_target_s, min_budget=self.config.budget_min,
                 min_budget_fraction=self.config.budget_min_fraction, window_ticks=window,
-                store=self.store, fail_open=self.config.fail_open,
+                store=self.store, fail_open=self.config.fail_open, slot_lease_s=self.config.lease_s,
             )
         elif scheduler.capacity != max(1, pool.concurrency_capacity):
             scheduler.resize(pool.concurrency_capacity)

@@ -18,6 +18,7 @@ from apps.gateway.state import (
     Offer,
     Reservation,
     SlotRequest,
+    UsageKey,
     rate_view,
     reservation_for,
 )
@@ -107,7 +108,9 @@ class MemoryStateStore(GatewayStateStore):
 
     async def release(
         self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
+        usage: UsageKey | None = None,
     ) -> ReleaseResult:
+        # Usage is counted by the process (`records_usage` is False): the gateway's accumulator.
         self._forget(reservation.request_id)
         ledger = self._ledgers.get(reservation.pool)
         if ledger is None:
@@ -144,6 +147,12 @@ class MemoryStateStore(GatewayStateStore):
     async def pool_running(self, *, pool: str) -> int:
         ledger = self._ledgers.get(pool)
         return 0 if ledger is None else ledger.running
+
+    async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
+        ledger = self._ledgers.get(pool.name)
+        if ledger is None:
+            return {}
+        return {name: record.in_flight for name, record in ledger.entitlement_records().items()}
 
     async def request_state(self, *, reservation: Reservation) -> str | None:
         ledger = self._ledgers.get(reservation.pool)

@@ -24,3 +24,15 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.entitlement} @ {self.minute:%Y-%m-%d %H:%M}"
+
+
+class UsageBatch(models.Model):
+    """A batch of usage counts taken from the shared store, applied once: the flush writes the records and
+    this row in one transaction, so a batch retried after a crash (or taken over from a gateway that died
+    before it could say it was done) is not counted twice."""
+
+    token = models.CharField(max_length=64, unique=True)
+    applied_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.token

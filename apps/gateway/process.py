@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 # With a shared store, how often this process's TTFT counts go to the pool's shared window.
 TTFT_FLUSH_S = 1.0
 RELEASE_RETRY_S = 1.0
+# How long a flush may take to write the usage it claimed in the store before another flush takes it over.
+USAGE_CLAIM_LEASE_S = 30.0
+# How often the store's own in-flight counts are read for /metrics.
+STORE_VIEW_S = 1.0
 
 
 class ProcessLoops:
@@ -39,6 +44,8 @@ class ProcessLoops:
         # with a shared store, this process's TTFT counts go to its window and the shared AIMD tick reads it.
         self.control = control
         self.tasks: list[asyncio.Task] = []
+        # The store's own in-flight counts (pool, entitlement) -> n, refreshed every STORE_VIEW_S for /metrics.
+        self.store_in_flight: dict[tuple[str, ...], float] = {}
 
     def start(self) -> None:
         gateway = self.gateway
@@ -47,15 +54,17 @@ class ProcessLoops:
 
         bind_gateway_loop()  # the in-process ticker reaches this loop's state store through it
         config = gateway.config
+        # What keeps the store right runs always: other processes' notices, deferred releases, leases.
         self._spawn(gateway.store.events_listen(), "gw-events")
+        self._every(RELEASE_RETRY_S, self.retry_releases, "gw-releases")
+        self._every(config.lease_renew_s, self.leases_tick, "gw-leases")
+        self._every(STORE_VIEW_S, self.store_view, "gw-store-view")
         if not config.background:
-            return
+            return  # tests drive the rest by hand (they read the database, the network, the clock)
         self._spawn(self._snapshots(), "gw-snapshot")
         self._every(config.aimd_tick_s, self.aimd_tick, "gw-aimd")
         self._every(config.health_interval_s, self.health_check, "gw-health")
-        self._every(config.usage_flush_s, gateway.usage.flush, "gw-usage")
-        self._every(config.lease_renew_s, self.leases_tick, "gw-leases")
-        self._every(RELEASE_RETRY_S, self.retry_releases, "gw-releases")
+        self._every(config.usage_flush_s, self.usage_flush, "gw-usage")
         if gateway.store.shares_budget:
             self._every(TTFT_FLUSH_S, self.ttft_flush, "gw-ttft")
 
@@ -89,7 +98,7 @@ class ProcessLoops:
             with contextlib.suppress(Exception):
                 await gateway.accountant.retry_pending()
         with contextlib.suppress(Exception):
-            await gateway.usage.flush()
+            await self.usage_flush()
 
     async def finish_requests(self, grace_s: float) -> None:
         """Let requests still in flight end (their account step releases and records them); after `grace_s`
@@ -147,6 +156,44 @@ class ProcessLoops:
         except StateStoreUnavailable:
             pass
         return reaped
+
+    async def usage_flush(self) -> int:
+        """This process's usage counts to the database, then (a store that counts usage) the pools' counts
+        in the store, claim by claim, each applied once; returns the number of batches written."""
+        gateway = self.gateway
+        written = 1 if await gateway.usage.flush() else 0
+        store, snapshot = gateway.store, gateway.snapshots.current
+        if store is None or not store.records_usage or snapshot is None:
+            return written
+        from apps.gateway.usage import usage_batch_apply, usage_counts_parse
+
+        for pool in list(snapshot.pools):
+            try:
+                claims = await store.usage_claim(pool=pool, token=uuid.uuid4().hex, lease_s=USAGE_CLAIM_LEASE_S)
+            except StateStoreUnavailable:
+                return written
+            for token, fields in claims.items():
+                # A failed write leaves the claim in the store; its lease runs out and a flush takes it again.
+                await asyncio.to_thread(usage_batch_apply, token, usage_counts_parse(fields))
+                await store.usage_done(pool=pool, token=token)
+                written += 1
+        return written
+
+    async def store_view(self) -> None:
+        """What the store holds, every process together (`gateway_store_in_flight`): unlike this process's own
+        gauges, a reservation nobody will release shows here."""
+        gateway = self.gateway
+        snapshot = gateway.snapshots.current
+        if gateway.store is None or snapshot is None:
+            return
+        view: dict[tuple[str, ...], float] = {}
+        try:
+            for pool in list(snapshot.pools.values()):
+                for name, count in (await gateway.store.in_flight(pool=pool)).items():
+                    view[(pool.name, name)] = float(count)
+        except StateStoreUnavailable:
+            return  # keep the last view: the store's own state did not change by being unreachable
+        self.store_in_flight = view
 
     async def retry_releases(self) -> int:
         return await self.gateway.accountant.retry_pending()
@@ -240,6 +287,8 @@ class ProcessLoops:
             ("entitlement",), by_entitlement)
         add("gateway_pending_releases", "Releases the state store could not take yet (retried every second).",
             (), lambda: {(): float(len(gateway.accountant.pending)) if hasattr(gateway, "accountant") else 0.0})
+        add("gateway_store_in_flight", "Requests the state store holds in flight (every process together), "
+            "as last read.", ("pool", "entitlement"), lambda: dict(self.store_in_flight))
 
         from apps.gateway.loops import desired_replicas_gauge
 

@@ -41,6 +41,7 @@ from apps.gateway.state import (
     SlotGrant,
     SlotRequest,
     StateStoreUnavailable,
+    UsageKey,
     rate_view,
     reservation_for,
 )
@@ -67,7 +68,7 @@ EVENTS = "tp:gw:events"
 MAX_ATTEMPTS = 12
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
-           "slot_acquire", "slots_renew")
+           "slot_acquire", "slots_renew", "usage_claim", "usage_done")
 
 
 @cache
@@ -239,12 +240,14 @@ class RedisStateStore(GatewayStateStore):
 
     async def release(
         self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
+        usage: UsageKey | None = None,
     ) -> ReleaseResult:
         self._forget(reservation.request_id)
         raw = await self._call(
             "release", [self._base(reservation.pool), self._slot_keys(reservation.pool)[0]],
             [self._now(), reservation.request_id, "" if completion_tokens is None else int(completion_tokens),
-             "" if prompt_tokens is None else int(prompt_tokens)],
+             "" if prompt_tokens is None else int(prompt_tokens),
+             "" if usage is None else str(usage.tenant_id), "" if usage is None else str(usage.minute)],
         )
         self._notify(started=raw[1])
         return ReleaseResult(str(raw[0]), tuple(raw[1]), _float(raw[2]))
@@ -294,10 +297,45 @@ class RedisStateStore(GatewayStateStore):
     async def pool_running(self, *, pool: str) -> int:
         return int(_float(await self._redis(self.redis.hget(self._base(pool) + "pool", "running"))))
 
+    async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
+        names = [limits.entitlement_id for limits in pool.entitlements]
+        if not names:
+            return {}
+        base = self._base(pool.name)
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.hget(f"{base}ent:{name}", "in_flight")
+                values = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
+        return {name: int(_float(value)) for name, value in zip(names, values, strict=True)}
+
     async def request_state(self, *, reservation: Reservation) -> str | None:
         key = f"{self._base(reservation.pool)}req:{reservation.request_id}"
         state = await self._redis(self.redis.hget(key, "state"))
         return state or None
+
+    # --- usage counted by the releases ------------------------------------------------------------------
+
+    records_usage = True
+
+    async def usage_claim(self, *, pool: str, token: str, lease_s: float) -> dict[str, dict[str, str]]:
+        raw = await self._call("usage_claim", [self._base(pool)], [self._now(), token, repr(float(lease_s))])
+        claims: dict[str, dict[str, str]] = {}
+        index = 0
+        while index < len(raw):
+            claim, fields = raw[index], {}
+            index += 1
+            while raw[index] != "":
+                fields[raw[index]] = raw[index + 1]
+                index += 2
+            index += 1
+            claims[claim] = fields
+        return claims
+
+    async def usage_done(self, *, pool: str, token: str) -> None:
+        await self._call("usage_done", [self._base(pool)], [token])
 
     # --- leases and other processes' transitions -------------------------------------------------------
 

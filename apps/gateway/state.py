@@ -63,6 +63,14 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
+class UsageKey:
+    """Where a released request's usage is counted: its tenant, and the minute of the release."""
+
+    tenant_id: int
+    minute: int
+
+
+@dataclass(frozen=True, slots=True)
 class RateView:
     """What the x-ratelimit-* headers report, as seen right after the decision."""
 
@@ -164,9 +172,11 @@ class GatewayStateStore(ABC):
     @abstractmethod
     async def release(
         self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
+        usage: UsageKey | None = None,
     ) -> ReleaseResult:
         """Complete a running request (refunding what it did not use) or cancel a waiting one; the outcome
-        is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already."""
+        is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already. A store
+        that `records_usage` counts the tokens served under `usage` in the same step."""
 
     @abstractmethod
     async def expire(self, *, pool: str) -> list[str]:
@@ -188,8 +198,24 @@ class GatewayStateStore(ABC):
     async def request_state(self, *, reservation: Reservation) -> str | None:
         """`running`, `waiting`, or None once it left the state machine."""
 
+    @abstractmethod
+    async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
+        """The store's own count of requests in flight (waiting or running) by entitlement of the pool:
+        what it holds, whichever process admitted them (a leak shows here)."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
+
+    # --- usage counted in the store (shared stores: a gateway that dies loses none of it) --------------
+
+    records_usage: bool = False
+
+    async def usage_claim(self, *, pool: str, token: str, lease_s: float) -> dict[str, dict[str, str]]:
+        """The pool's usage counts to write to the database, by claim token (see `usage_done`)."""
+        return {}
+
+    async def usage_done(self, *, pool: str, token: str) -> None:  # noqa: B027 - optional hook
+        """The claim is in the database."""
 
     # --- waiting ----------------------------------------------------------------------------------------
 

@@ -1,8 +1,13 @@
-"""Usage accounting off the request path: counters in memory, flushed to `UsageRecord` in batches.
+"""Usage accounting off the request path, flushed to `UsageRecord` in batches.
 
-The request path adds to a dict keyed by (tenant, entitlement, minute); the flusher swaps the dict
-out and upserts it in a worker thread (one transaction, increments, so several gateway processes
-add up rather than overwrite).
+With the in-process store, the request path adds to a dict keyed by (tenant, entitlement, minute); the
+flusher swaps the dict out and upserts it in a worker thread (one transaction, increments, so several
+gateway processes add up rather than overwrite). A process killed outright loses at most what it counted
+since its last flush (`GATEWAY_USAGE_FLUSH_S`).
+
+With Redis, a request's usage is counted in Redis by its release (the same script), and the flush claims
+the pool's counts there and applies each claim once (`usage_batch_apply`): a process that dies loses none of
+what Redis acknowledged. Rejections are counted in the process, as with the in-process store.
 """
 
 from __future__ import annotations
@@ -10,9 +15,15 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 _Key = tuple[int, str, int]
+
+
+def current_minute() -> int:
+    """The minute a usage count belongs to (wall clock: records are calendar minutes)."""
+    return int(time.time() // 60)
 
 
 @dataclass(slots=True)
@@ -28,7 +39,7 @@ class UsageAccumulator:
         self._pending: dict[_Key, _Counts] = {}
 
     def _counts(self, tenant_id: int, entitlement: str) -> _Counts:
-        key = (tenant_id, entitlement, int(time.time() // 60))
+        key = (tenant_id, entitlement, current_minute())
         counts = self._pending.get(key)
         if counts is None:
             counts = self._pending[key] = _Counts()
@@ -66,21 +77,59 @@ class UsageAccumulator:
             raise
 
 
+def usage_counts_parse(flat: Mapping[str, str]) -> dict[_Key, _Counts]:
+    """The store's counts (`tenant|entitlement|minute|r|p|c` fields) as a batch."""
+    batch: dict[_Key, _Counts] = {}
+    for field, raw in flat.items():
+        tenant, entitlement, minute, kind = field.rsplit("|", 3)
+        counts = batch.setdefault((int(tenant), entitlement, int(minute)), _Counts())
+        value = int(raw)
+        if kind == "r":
+            counts.requests += value
+        elif kind == "p":
+            counts.prompt_tokens += value
+        elif kind == "c":
+            counts.completion_tokens += value
+    return batch
+
+
+def usage_batch_apply(token: str, batch: dict[_Key, _Counts]) -> bool:
+    """Write a batch claimed from the shared store, once: False when its token was applied already."""
+    from django.db import IntegrityError, close_old_connections, transaction
+
+    from apps.gateway.models import UsageBatch
+
+    close_old_connections()
+    try:
+        with transaction.atomic():
+            UsageBatch.objects.create(token=token)
+            _upsert(batch)
+    except IntegrityError:
+        if UsageBatch.objects.filter(token=token).exists():
+            return False
+        raise
+    return True
+
+
+def _upsert(batch: dict[_Key, _Counts]) -> None:
+    from apps.gateway.services import usage_record_add
+
+    for (tenant_id, entitlement, minute), counts in batch.items():
+        usage_record_add(
+            tenant_id=tenant_id,
+            entitlement=entitlement,
+            minute=dt.datetime.fromtimestamp(minute * 60, tz=dt.UTC),
+            requests=counts.requests,
+            prompt_tokens=counts.prompt_tokens,
+            completion_tokens=counts.completion_tokens,
+            rejected=counts.rejected,
+        )
+
+
 def usage_records_upsert_batch(batch: dict[_Key, _Counts]) -> int:
     from django.db import close_old_connections, transaction
 
-    from apps.gateway.services import usage_record_add
-
     close_old_connections()
     with transaction.atomic():
-        for (tenant_id, entitlement, minute), counts in batch.items():
-            usage_record_add(
-                tenant_id=tenant_id,
-                entitlement=entitlement,
-                minute=dt.datetime.fromtimestamp(minute * 60, tz=dt.UTC),
-                requests=counts.requests,
-                prompt_tokens=counts.prompt_tokens,
-                completion_tokens=counts.completion_tokens,
-                rejected=counts.rejected,
-            )
+        _upsert(batch)
     return len(batch)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
-import tempfile
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,36 +13,11 @@ import httpx
 import pytest
 
 from apps.gateway.redis_state import RedisStateStore
-from tests.support.services import free_port, wait_for_port
+from tests.support.services import PrivateRedis, free_port
 
 pytestmark = [pytest.mark.django_db, pytest.mark.redis]
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-class PrivateRedis:
-    """A redis-server this test may stop and start again on the same port."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.workdir = tempfile.mkdtemp(prefix="tokenpools-gw-redis-")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server not installed")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, proc=self.proc)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
 
 
 @pytest.fixture

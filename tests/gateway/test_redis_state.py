@@ -251,3 +251,44 @@ def test_an_offer_takes_the_budget_slot_in_the_same_script_and_release_gives_it_
             await dying.close()
 
     asyncio.run(scenario())
+
+
+def test_usage_is_counted_by_the_release_once_and_claimed_once(redis_url: str) -> None:
+    from apps.gateway.state import UsageKey
+
+    async def body(store: RedisStateStore, other: RedisStateStore) -> None:
+        ent = limits("e", concurrency=4, tokens_per_second=1000.0)
+        cheap = limits("cheap", service_class="preemptible", concurrency=1)
+        p = pool("p", 4, ent, cheap)
+        served = [await store.offer(limits=ent, pool=p, request=request()) for _ in range(3)]
+        victim = await store.offer(limits=cheap, pool=p, request=request())
+        first, second, unserved = (offer.reservation for offer in served)
+        assert first and second and unserved and victim.reservation
+        # The pool is full: a guaranteed request evicts the preemptible one; its process then stops it and
+        # records what it had served.
+        urgent = await store.offer(limits=ent, pool=p, request=request())
+        assert urgent.evicted == (victim.reservation.request_id,) and urgent.reservation is not None
+        evicted = await store.release(reservation=victim.reservation, prompt_tokens=5, completion_tokens=2,
+                                      usage=UsageKey(tenant_id=9, minute=29_000_000))
+        assert evicted.outcome == "unknown"
+        key = UsageKey(tenant_id=4, minute=29_000_000)
+        await store.release(reservation=first, prompt_tokens=5, completion_tokens=7, usage=key)
+        # The same release again (its first answer was lost in a Redis outage): nothing counted twice.
+        again = await store.release(reservation=first, prompt_tokens=5, completion_tokens=7, usage=key)
+        assert again.outcome == "unknown"
+        await store.release(reservation=second, prompt_tokens=5, completion_tokens=3, usage=key)
+        await store.release(reservation=unserved, prompt_tokens=0, completion_tokens=0)  # never reached a backend
+        await store.release(reservation=urgent.reservation)
+
+        claims = await store.usage_claim(pool="p", token="t1", lease_s=0.3)
+        assert claims == {"t1": {"4|e|29000000|r": "2", "4|e|29000000|p": "10", "4|e|29000000|c": "10",
+                                 "9|cheap|29000000|r": "1", "9|cheap|29000000|p": "5", "9|cheap|29000000|c": "2"}}
+        # Not said done (the flusher died before writing it): nobody else takes it while its lease runs ...
+        assert await other.usage_claim(pool="p", token="t2", lease_s=30) == {}
+        await asyncio.sleep(0.4)
+        # ... then another flusher takes it over, under its own token (the database applies a token once).
+        assert list(await other.usage_claim(pool="p", token="t3", lease_s=30)) == ["t1"]
+        await other.usage_done(pool="p", token="t1")
+        assert await store.usage_claim(pool="p", token="t4", lease_s=30) == {}
+
+    with_stores(redis_url, 2, body)

@@ -4,6 +4,7 @@ and the gateway feeding both."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 
 import httpx
@@ -93,3 +94,17 @@ def test_admin_lists_usage_records_read_only(client: Any, admin: Any, acme: Any)
     assert page.status_code == 200
     assert b"acme-e" in page.content
     assert client.get("/django-admin/gateway/usagerecord/add/").status_code == 403
+
+
+@pytest.mark.django_db
+def test_a_batch_from_the_shared_store_is_applied_once(acme: Any) -> None:
+    from apps.gateway.usage import usage_batch_apply, usage_counts_parse
+
+    minute = int(time.time() // 60)
+    batch = usage_counts_parse({f"{acme.pk}|acme-chat|{minute}|r": "3", f"{acme.pk}|acme-chat|{minute}|p": "30",
+                                f"{acme.pk}|acme-chat|{minute}|c": "12"})
+    assert usage_batch_apply("claim-1", batch) is True
+    # The same claim again (taken over after its flusher died between writing and saying so): no double count.
+    assert usage_batch_apply("claim-1", batch) is False
+    record = UsageRecord.objects.get(tenant=acme, entitlement="acme-chat")
+    assert (record.requests, record.prompt_tokens, record.completion_tokens) == (3, 30, 12)

@@ -108,6 +108,54 @@ def running_postgres() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+class PrivateRedis:
+    """A redis-server a test may stop and start again on the same port (`persistent`: with its data kept,
+    an append-only file synced on every write), or freeze and thaw (SIGSTOP/SIGCONT)."""
+
+    def __init__(self, *, persistent: bool = False) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.workdir = tempfile.mkdtemp(prefix="tokenpools-gw-redis-")
+        self.persistent = persistent
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServiceUnavailable("redis-server not found; run `make system-deps` (Debian package redis-server)")
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *persistence,
+             "--dir", self.workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, proc=self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def pause(self) -> None:
+        """Freeze the server (a hung Redis: connections stay open, nothing answers)."""
+        import signal
+
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        import signal
+
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def remove(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.resume()
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def running_redis() -> Iterator[str]:
     """Yield a ``redis://`` URL of a throw-away server without persistence."""

@@ -254,12 +254,28 @@ local function finish_waiting(pool, r, now)
   return r.cost
 end
 
--- running -> evicted, the unproduced output refunded: AdmissionLedger._evict
+-- running -> evicted, the unproduced output refunded: AdmissionLedger._evict. A marker stays behind for the
+-- victim's process, whose release of it (once it has stopped the stream) only records what was served.
 local function evict_one(pool, r, now)
   local refund = r.max
   bucket_refund(load(ent_key(r.ent)), refund, now)
   stop(pool, r, now)
+  local marker = req_key(r._id)
+  redis.call('HSET', marker, 'state', 'evicted', 'ent', r.ent)
+  redis.call('EXPIRE', marker, 3600)
   return refund
+end
+
+-- What a request used, for the usage records: counted here, atomically with its release, and rolled into the
+-- database by the gateways' flush (USAGE), so a gateway process that dies loses none of it.
+local function record_usage(tenant, ent, minute, prompt, completion)
+  if tenant == nil or tenant == '' then return 0 end
+  local field = tenant .. '|' .. ent .. '|' .. minute .. '|'
+  local usage = BASE .. 'usage'
+  redis.call('HINCRBY', usage, field .. 'r', 1)
+  redis.call('HINCRBY', usage, field .. 'p', prompt)
+  redis.call('HINCRBY', usage, field .. 'c', completion)
+  return 1
 end
 
 local function request(id)

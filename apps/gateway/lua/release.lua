@@ -1,13 +1,23 @@
 -- RELEASE: a running request completed (its unused charge refunded, what it used counted as served), or a
 -- waiting one was cancelled (its whole charge refunded); waiters then start (AdmissionLedger.release).
--- Unknown ids change nothing (a second release of the same request is harmless).
--- KEYS: pool prefix, budget slots.  ARGV: now, request id, output tokens ('' = unknown), prompt tokens ('').
+-- Unknown ids change nothing (a second release of the same request is harmless). With a tenant and a minute,
+-- what the backend served goes to the usage counts in the same step; an evicted request's release records
+-- only that (the eviction already released it).
+-- KEYS: pool prefix, budget slots.  ARGV: now, request id, output tokens ('' = unknown), prompt tokens (''),
+-- tenant id ('' = record no usage), minute.
 local now = clock(ARGV[1])
 local id = ARGV[2]
 redis.call('ZREM', KEYS[2], id)
 local r = request(id)
-if r == nil then return {'unknown', {}, '0'} end
+if r == nil then return {'unknown', {}, '0', 0} end
+local served_prompt, served_completion = math.max(0, tonumber(ARGV[4]) or 0), math.max(0, tonumber(ARGV[3]) or 0)
+if r.state == 'evicted' then
+  local recorded = record_usage(ARGV[5], r.ent, ARGV[6], served_prompt, served_completion)
+  redis.call('DEL', req_key(id))
+  return {'unknown', {}, '0', recorded}
+end
 local pool = load(POOL)
+local recorded = 0
 local outcome, refund, started
 if r.state == 'waiting' then
   refund = finish_waiting(pool, r, now)
@@ -35,9 +45,10 @@ else
   e.done = e.done + 1
   touch(e)
   outcome = 'completed'
+  recorded = record_usage(ARGV[5], r.ent, ARGV[6], served_prompt, served_completion)
 end
 started = drain(pool, now)
 changed(pool)
 save()
 publish('s', started)
-return {outcome, started, fmt(refund)}
+return {outcome, started, fmt(refund), recorded}
