@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: conformance tiny-model train-tiny bench-engine venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: bench-faults conformance tiny-model train-tiny bench-engine venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,8 +75,13 @@ lint: venv
 	$(BIN)/lint-imports
 	$(BIN)/mypy apps workers tokenpools_site bench backends
 
+# BASELINE=REF also measures another commit side by side in the same run (e.g. BASELINE=HEAD~1).
 bench-policy: venv
-	$(BIN)/python -m bench.policy --write-results
+	$(BIN)/python -m bench.policy --write-results $(if $(BASELINE),--baseline $(BASELINE))
+
+# A real SIGKILL of gateway processes: reservations reclaimed, usage kept (bench/RESULTS.md).
+bench-faults: venv system-deps
+	$(BIN)/python -m bench.faults --write-results
 
 bench-sim: venv
 	$(BIN)/python -m bench.sim --requests 1000000 --write-results
@@ -103,7 +108,7 @@ bench-engine: venv tiny-model vllm-venv
 	$(BIN)/python -m bench.engine --throughput --quality --vs-vllm --write-results
 
 bench-gateway: venv system-deps litellm-venv
-	$(BIN)/python -m bench.gateway --write-results
+	$(BIN)/python -m bench.gateway --write-results $(if $(BASELINE),--baseline $(BASELINE))
 
 clean:
 	rm -rf $(VENV) db.sqlite3 var .pytest_cache
