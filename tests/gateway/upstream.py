@@ -152,7 +152,7 @@ class Upstream:
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(chunk).encode() + b"\n\n",
                         "more_body": True})
         if include_usage:
-            final = {"id": "c", "object": "chat.completion.chunk", "model": payload.get("model"), "choices": [],
+            final: dict[str, Any] = {"id": "c", "object": "chat.completion.chunk", "model": payload.get("model"), "choices": [],
                      "usage": usage}
             await send({"type": "http.response.body", "body": b"data: " + json.dumps(final).encode() + b"\n\n",
                         "more_body": True})
