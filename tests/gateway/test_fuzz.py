@@ -12,22 +12,26 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.django_db
 
+# Unicode edge cases: lone surrogates (JSON escapes them as \\ud800: valid JSON, no valid text), NUL, a byte
+# order mark, a right-to-left override, the last code point, combining marks, and anything else in between.
+edge_text = st.text(st.characters(exclude_categories=()), max_size=20) | st.sampled_from(
+    ["\ud800", "a\udfffb", "\udbff\udc00", "\ufeff", "\u0000", "\u202e", "\U0010ffff", "e\u0301", "\U0001f600" * 3])
 anything = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20) | edge_text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=8,
 )
 message = st.fixed_dictionaries(
     {},
     optional={"role": st.sampled_from(["user", "system", "assistant"]) | anything,
-              "content": st.text(max_size=40) | anything},
+              "content": st.text(max_size=40) | edge_text | anything},
 )
 body = st.fixed_dictionaries(
     {},
     optional={
         "model": st.sampled_from(["tiny", "tiny-model", "other", ""]) | anything,
         "messages": st.lists(message, max_size=3) | anything,
-        "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 50), max_size=5) | anything,
+        "prompt": st.text(max_size=40) | edge_text | st.lists(st.integers(-5, 50), max_size=5) | anything,
         "max_tokens": st.integers(-5, 2_000) | st.integers() | anything,
         "max_completion_tokens": st.integers(-5, 50) | anything,
         "stream": st.booleans() | anything,
@@ -42,7 +46,7 @@ body = st.fixed_dictionaries(
 plausible = st.fixed_dictionaries(
     {
         "model": st.sampled_from(["tiny", "tiny-model"]),
-        "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=30)}),
+        "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=30) | edge_text}),
                              min_size=1, max_size=2),
     },
     optional={
@@ -89,3 +93,21 @@ def test_raw_bytes_never_5xx(fuzz_gateway: Any, raw: bytes) -> None:
     response = httpx.post(h.url + "/v1/chat/completions", content=raw, headers=h.auth(), timeout=30)
     assert 400 <= response.status_code < 500 or response.status_code == 200
     assert h.usage().in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")])
+def test_a_lone_surrogate_is_a_400_naming_the_field(gateway_factory: Any, path: str, field: str,
+                                                      stream: bool) -> None:
+    h = gateway_factory(entitlement={"concurrency": 2})
+    text = "hello \ud800 there"
+    payload: dict[str, Any] = {"model": "tiny", "stream": stream}
+    payload[field] = [{"role": "user", "content": text}] if field == "messages" else text
+    response = httpx.post(h.url + path, content=json.dumps(payload), headers={**h.auth(),
+                          "content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_request", field)
+    assert "surrogate" in error["message"]
+    assert h.usage().in_flight == 0
+    assert not h.upstreams[0].received  # nothing reached the backend
