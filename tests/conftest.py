@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -37,3 +38,16 @@ def engine_backend() -> Iterator[str]:
 
     with running_engine(max_num_seqs=16) as (base_url, _process):
         yield base_url
+
+
+@pytest.fixture
+def memory_control(settings: Any) -> Iterator[Any]:
+    """The control loops' state in this process (no Redis), installed as the process-wide one."""
+    from apps.gateway import loops
+    from apps.gateway.control import MemoryControlState
+
+    settings.REDIS_URL = ""
+    state = MemoryControlState()
+    loops.reset_control_state(state)
+    yield state
+    loops.reset_control_state(None)

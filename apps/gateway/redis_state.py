@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 PREFIX = "tp:gw:"
 EVENTS = "tp:gw:events"
 MAX_ATTEMPTS = 12
+CAS_BACKOFF_S = 0.0005
+CAS_BACKOFF_CAP_S = 0.05
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
            "slot_acquire", "slots_renew", "usage_claim", "usage_done")
@@ -222,8 +224,9 @@ class RedisStateStore(GatewayStateStore):
             )
             if int(raw[0]) == 1:
                 return self._committed(limits, pool, request, decision, raw)
-            # Someone committed in between: back off a little (jittered) and decide again on fresh state.
-            await asyncio.sleep(random.uniform(0, 0.0005 * (attempt + 1)))
+            # Another process took room in between: decide again on fresh state, after a jittered wait that
+            # doubles with each try, so two processes admitting in step do not keep colliding.
+            await asyncio.sleep(random.uniform(0, min(CAS_BACKOFF_CAP_S, CAS_BACKOFF_S * 2**attempt)))
         contended = AdmissionDecision(False, Reason.POOL_CONTENDED.value, retry_after_s=0.1, check=5)
         return Offer(contended, None, RateView(), REJECTED)
 

@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from apps.gateway.redis_state import RedisStateStore
-from tests.gateway.servers import ServerThread
 from tests.gateway.upstream import Upstream
+from tests.support.crash import upstream as backend
+from tests.support.crash import worker_pids
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.site import prepare_site, serving
 
@@ -31,13 +32,8 @@ HOLD_S = 0.6
 
 @pytest.fixture()
 def upstream() -> Iterator[Upstream]:
-    backend = Upstream(first_token_delay_s=HOLD_S)
-    server = ServerThread(backend).start()
-    backend.url = server.url
-    try:
-        yield backend
-    finally:
-        server.stop()
+    with backend(first_token_delay_s=HOLD_S) as server:
+        yield server
 
 
 def _publish_budget(redis_url: str, budget: int) -> None:
@@ -49,20 +45,6 @@ def _publish_budget(redis_url: str, budget: int) -> None:
             await store.close()
 
     asyncio.run(publish())
-
-
-def _worker_pids(parent: int) -> list[int]:
-    """The uvicorn worker processes under `serve` (children of its process)."""
-    children: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                children.append(int(entry.name))
-    return children
 
 
 def _burst(url: str, key: str) -> list[int]:
@@ -89,9 +71,9 @@ def test_two_gateway_processes_enforce_one_pool_budget(tmp_path: Path, redis_url
     key = site.keys["wide"]
     with serving(site, workers=2) as (url, process):
         deadline = time.monotonic() + 30
-        while len(_worker_pids(process.pid)) < 2 and time.monotonic() < deadline:
+        while len(worker_pids(process.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(_worker_pids(process.pid)) >= 2, "serve --workers 2 did not start two processes"
+        assert len(worker_pids(process.pid)) >= 2, "serve --workers 2 did not start two processes"
 
         # A roomy budget: the backend sees several requests at once (the check below can fail).
         _publish_budget(redis_url, 16)

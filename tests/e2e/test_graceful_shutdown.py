@@ -15,10 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.servers import ServerThread
 from tests.gateway.upstream import Upstream
+from tests.support.crash import recorded_requests
+from tests.support.crash import upstream as backend
 from tests.support.manifests import documents, entitlement, tiny_pool
-from tests.support.site import manage, prepare_site, server_log, serving
+from tests.support.site import prepare_site, server_log, serving
 
 pytestmark = [pytest.mark.slow]
 
@@ -29,19 +30,8 @@ HOLD_S = 1.5
 
 @pytest.fixture()
 def upstream() -> Iterator[Upstream]:
-    backend = Upstream(first_token_delay_s=HOLD_S)
-    server = ServerThread(backend).start()
-    backend.url = server.url
-    try:
-        yield backend
-    finally:
-        server.stop()
-
-
-def _recorded_requests(env: dict[str, str]) -> int:
-    out = manage(env, "shell", "-c", "from django.db.models import Sum; from apps.gateway.models import UsageRecord; "
-                                     "print(UsageRecord.objects.aggregate(n=Sum('requests'))['n'] or 0)")
-    return int(out.strip().splitlines()[-1])
+    with backend(first_token_delay_s=HOLD_S) as server:
+        yield server
 
 
 def _send_then_terminate(url: str, key: str, upstream: Upstream, process: object) -> list[int]:
@@ -93,4 +83,4 @@ def test_sigterm_drains_in_flight_requests_and_records_every_one(
         statuses = _send_then_terminate(url, site.keys["wide"], upstream, process)
         process.wait(timeout=60)
     assert statuses == [200] * REQUESTS, (statuses, server_log(site)[-3000:])
-    assert _recorded_requests(site.env) == REQUESTS, server_log(site)[-3000:]
+    assert recorded_requests(site) == REQUESTS, server_log(site)[-3000:]

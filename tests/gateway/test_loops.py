@@ -21,30 +21,8 @@ from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
 from apps.policy import AdmissionRequest, EntitlementLimits, ttft_histogram_bounds
-from apps.tenancy.models import Tenant
 from tests.pools.factories import make_entitlement, make_pool
 from workers.ticks import Outcome, run_tick
-
-
-@pytest.fixture
-def admin(db: Any) -> Any:
-    from django.contrib.auth import get_user_model
-
-    return get_user_model().objects.create_superuser("root", "root@example.com", "root-pass-123")
-
-
-@pytest.fixture
-def acme(db: Any) -> Tenant:
-    return Tenant.objects.create(name="Acme", slug="acme")
-
-
-@pytest.fixture
-def memory_control(settings: Any) -> Iterator[MemoryControlState]:
-    settings.REDIS_URL = ""
-    state = MemoryControlState()
-    loops.reset_control_state(state)
-    yield state
-    loops.reset_control_state(None)
 
 
 @pytest.fixture

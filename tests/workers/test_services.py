@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +16,6 @@ from apps.gateway import loops
 from apps.gateway.control import MemoryControlState
 from apps.policy import InstanceSnapshot
 from apps.pools.models import EntitlementState, TokenEntitlement, TokenPool
-from apps.tenancy.models import Tenant
 from tests.pools.factories import make_entitlement, make_pool
 from workers.tasks import run_tick_task
 from workers.ticks import Outcome, TickSpec, run_tick, start_in_process_ticker, stop_in_process_ticker
@@ -25,29 +23,9 @@ from workers.ticks import Outcome, TickSpec, run_tick, start_in_process_ticker, 
 _marks: list[str] = []
 
 
-@pytest.fixture
-def admin(db: Any) -> Any:
-    from django.contrib.auth import get_user_model
-
-    return get_user_model().objects.create_superuser("root", "root@example.com", "root-pass-123")
-
-
-@pytest.fixture
-def acme(db: Any) -> Tenant:
-    return Tenant.objects.create(name="Acme", slug="acme")
-
-
 def mark_tick() -> None:
     _marks.append("ran")
 
-
-@pytest.fixture
-def memory_control(settings: Any) -> Iterator[MemoryControlState]:
-    settings.REDIS_URL = ""
-    state = MemoryControlState()
-    loops.reset_control_state(state)
-    yield state
-    loops.reset_control_state(None)
 
 
 def test_beat_schedule_is_built_from_the_registry(settings: Any) -> None:

@@ -47,7 +47,7 @@ else
   if ARGV[12] == '1' then evicted, started = evict_for(pool, r, now) end
   for _, other in ipairs(drain(pool, now)) do table.insert(started, other) end
 end
-changed(pool)
+took_room(pool)
 local state = r.state
 save()
 publish('e', evicted)

@@ -6,7 +6,7 @@ if r == nil or r.state ~= 'running' then return {'unknown', {}, '0'} end
 local pool = load(POOL)
 local refund = evict_one(pool, r, now)
 local started = drain(pool, now)
-changed(pool)
+if #started > 0 then took_room(pool) end
 save()
 publish('e', {ARGV[2]})
 publish('s', started)

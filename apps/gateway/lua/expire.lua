@@ -18,7 +18,6 @@ while true do
     table.insert(expired, r._id)
   end
 end
-if #expired > 0 then changed(pool) end
 save()
 publish('x', expired)
 return expired

@@ -29,7 +29,7 @@ end
 local started = {}
 if #reaped > 0 then
   started = drain(pool, now)
-  changed(pool)
+  if #started > 0 then took_room(pool) end
 end
 save()
 publish('s', started)

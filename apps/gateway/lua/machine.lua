@@ -168,20 +168,24 @@ local function count_refusal(e, tokens, kv)
 end
 
 -- Idle reservations of Bound dedicated/guaranteed entitlements: the pool's total and `id`'s own share.
-local function reserved_idle(id)
-  local flat = redis.call('HGETALL', RES)
+-- `reserved` is a flat list of pairs: entitlement id, "concurrency kv_bytes" (the RES hash, or a caller's).
+local function idle_reservations(reserved, id)
   local slots, kv, own_slots, own_kv = 0, 0, 0, 0
-  for i = 1, #flat, 2 do
-    local concurrency, kv_bytes = string.match(flat[i + 1], '^(%S+) (%S+)$')
-    local e = load(ent_key(flat[i]))
+  for i = 1, #reserved, 2 do
+    local concurrency, kv_bytes = string.match(reserved[i + 1], '^(%S+) (%S+)$')
+    local e = load(ent_key(reserved[i]))
     local s = tonumber(concurrency) - field(e, 'running')
     if s < 0 then s = 0 end
     local k = num(kv_bytes) - field(e, 'kv_running')
     if k < 0 then k = 0 end
     slots, kv = slots + s, kv + k
-    if flat[i] == id then own_slots, own_kv = s, k end
+    if reserved[i] == id then own_slots, own_kv = s, k end
   end
   return slots, kv, own_slots, own_kv
+end
+
+local function reserved_idle(id)
+  return idle_reservations(redis.call('HGETALL', RES), id)
 end
 
 local function publish(kind, ids)
@@ -363,7 +367,10 @@ local function pool_config(now, cap, kv_cap, sat, timeout, max_ev, reserved)
   return pool
 end
 
-local function changed(pool)
+-- The pool's version, which COMMIT compares with the one its decision was read at, moves only when a
+-- transition takes room (a start, a wait, less capacity): a decision to admit or to wait stays right when room
+-- was only freed meanwhile (and a wait then starts at once), so concurrent releases cause no retries.
+local function took_room(pool)
   pool.ver = pool.ver + 1
   touch(pool)
 end

@@ -8,16 +8,9 @@ local e = entitlement(ARGV[2], now)
 bucket_limits(e, tonumber(ARGV[3]), tonumber(ARGV[4]), now)
 local level = bucket_level(e, now)
 local pool = load(POOL)
-local idle_slots, idle_kv = 0, 0
-for i = 5, #ARGV, 2 do
-  local concurrency, kv_bytes = string.match(ARGV[i + 1], '^(%S+) (%S+)$')
-  local other = load(ent_key(ARGV[i]))
-  local s = tonumber(concurrency) - field(other, 'running')
-  if s < 0 then s = 0 end
-  local k = num(kv_bytes) - field(other, 'kv_running')
-  if k < 0 then k = 0 end
-  idle_slots, idle_kv = idle_slots + s, idle_kv + k
-end
+local reserved = {}
+for i = 5, #ARGV do table.insert(reserved, ARGV[i]) end
+local idle_slots, idle_kv = idle_reservations(reserved, '')
 local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
 local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
 save()

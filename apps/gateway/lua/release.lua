@@ -48,7 +48,7 @@ else
   recorded = record_usage(ARGV[5], r.ent, ARGV[6], served_prompt, served_completion)
 end
 started = drain(pool, now)
-changed(pool)
+if #started > 0 then took_room(pool) end
 save()
 publish('s', started)
 return {outcome, started, fmt(refund), recorded}

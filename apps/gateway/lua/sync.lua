@@ -7,7 +7,7 @@ for i = 8, #ARGV do table.insert(reserved, ARGV[i]) end
 local pool = pool_config(now, ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], reserved)
 pool.res_sig = tonumber(ARGV[7])
 local started = drain(pool, now)
-changed(pool)
+took_room(pool)
 save()
 publish('s', started)
 return started
