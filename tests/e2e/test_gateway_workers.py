@@ -25,7 +25,7 @@ from tests.support.site import prepare_site, serving
 
 pytestmark = [pytest.mark.slow]
 
-POOL = "tiny"
+POOL = "shared-budget"
 REQUESTS = 8
 HOLD_S = 0.6
 

@@ -23,7 +23,7 @@ from tests.support.site import prepare_site, server_log, serving
 
 pytestmark = [pytest.mark.slow]
 
-POOL = "tiny"
+POOL = "drain"
 REQUESTS = 40
 HOLD_S = 1.5
 

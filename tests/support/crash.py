@@ -20,7 +20,7 @@ from tests.gateway.upstream import Upstream
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.site import PreparedSite, manage, prepare_site, serving
 
-POOL = "tiny"
+POOL = "crash"
 # How long the requests that hold the entitlement's concurrency take (the survivor's end after it).
 HOLD_S = 3.0
 BODY = {"model": POOL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
