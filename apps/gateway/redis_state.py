@@ -1,7 +1,7 @@
 """The shared store: the admission state machine of every pool in Redis, for every gateway process.
 
-Each transition of `apps.policy.AdmissionLedger` is one atomic Lua script (`apps/gateway/lua/`, one
-library of transitions plus one entry script each). An offer is two: `READ` returns the snapshot that
+Each transition of `apps.policy.AdmissionLedger` is one atomic Lua function (`apps/gateway/lua/`: one
+library of transitions plus one entry each, loaded into Redis once as a function library, Redis 7 or later). An offer is two: `READ` returns the snapshot that
 `apps.policy.admit` decides on in Python (one policy implementation), and `COMMIT` applies the decision
 only if the pool's version is unchanged (compare-and-set; else the caller decides again), starting the
 request or putting it in the pool's priority-ordered waiting room, with the evictions the decision allows.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import random
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
@@ -73,10 +74,28 @@ SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "ti
            "slot_acquire", "slots_renew", "usage_claim", "usage_done")
 
 
+# Entries that only read (Redis may run them anywhere, replicas included).
+READ_ONLY = frozenset({"read"})
+
+
 @cache
-def script_source(name: str) -> str:
-    """The library of transitions, the slot function, then the entry script's body."""
-    return "\n".join((LUA / f"{part}.lua").read_text() for part in ("machine", "slots", name))
+def function_library() -> tuple[str, str]:
+    """The Lua library as one Redis function library, and its version: the transitions (machine.lua), the
+    slot function (slots.lua), then every entry as a function (`tp_<version>_<entry>`). Loaded once per Redis
+    (FUNCTION LOAD), not sent with every call; the version, a hash of the source, keeps processes of
+    different releases on their own functions during a rolling deploy."""
+    body = [(LUA / "machine.lua").read_text(), (LUA / "slots.lua").read_text()]
+    for name in SCRIPTS:
+        body.append(f"local function entry_{name}()\n{(LUA / f'{name}.lua').read_text()}\nend")
+    source = "\n".join(body)
+    version = hashlib.sha1(source.encode()).hexdigest()[:12]
+    registrations = []
+    for name in SCRIPTS:
+        flags = ", flags={'no-writes'}" if name in READ_ONLY else ""
+        registrations.append(
+            f"redis.register_function{{function_name='tp_{version}_{name}', "
+            f"callback=function(keys, args) bind(keys, args) return entry_{name}() end{flags}}}")
+    return f"#!lua name=tokenpools_{version}\n" + source + "\n" + "\n".join(registrations) + "\n", version
 
 
 def _float(value: Any) -> float:
@@ -123,7 +142,7 @@ class RedisStateStore(GatewayStateStore):
             url, socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s, decode_responses=True,
             health_check_interval=30,
         )
-        self._scripts = {name: self.redis.register_script(script_source(name)) for name in SCRIPTS}
+        self._library, self._version = function_library()
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
@@ -141,8 +160,16 @@ class RedisStateStore(GatewayStateStore):
         return "" if self.clock is None else repr(float(self.clock.now()))
 
     async def _call(self, name: str, keys: list[str], args: Sequence[Any]) -> Any:
+        function = f"tp_{self._version}_{name}"
         try:
-            return await self._scripts[name](keys=keys, args=list(args))
+            try:
+                return await self.redis.fcall(function, len(keys), *keys, *args)
+            except ResponseError as exc:
+                if "function not found" not in str(exc).lower():
+                    raise
+                # A Redis that never saw this release's library, or lost it (restarted without its data).
+                await self.redis.function_load(self._library, replace=True)
+                return await self.redis.fcall(function, len(keys), *keys, *args)
         except (RedisError, OSError) as exc:
             raise StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
 

@@ -51,9 +51,12 @@ took_room(pool)
 local state = r.state
 save()
 publish('e', evicted)
-publish('s', started)
+-- Others' starts only: this one's caller learns its own from the reply.
+local others = {}
+for _, other in ipairs(started) do if other ~= id then table.insert(others, other) end end
+publish('s', others)
 local slot = 0
 if state == 'running' and ARGV[21] ~= '' then
   slot = take_slot(KEYS[2], KEYS[3], id, tonumber(ARGV[22]), tonumber(ARGV[21]), now)[1]
 end
-return {1, state, started, evicted, fmt(e.in_flight), fmt(bucket_level(e, now)), slot}
+return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), slot}

@@ -1,7 +1,8 @@
 -- The admission state machine of one pool, in Redis: the transitions of apps/policy/ledger.py, step for
 -- step (Lua cannot import Python). `make conformance` runs one table of scenarios against the ledger, the
--- in-process store and this, expecting the same outcomes. Every entry script is this library followed by
--- its own body (apps/gateway/redis_state.py loads them).
+-- in-process store and this, expecting the same outcomes. apps/gateway/redis_state.py loads this library,
+-- the slot function and every entry (one file each, a function's body) as one Redis function library, so
+-- the library is compiled and set up once, not on every call; `bind` points it at the call's keys.
 --
 -- KEYS[1] is the pool's key prefix, `tp:gw:{<pool>}:` (one hash tag: a pool's keys share a cluster slot).
 --   pool      hash  levels and configuration of the pool (running, kv, ev_n, ev_kv, waiting, seq, cap,
@@ -19,11 +20,21 @@
 --   leases    zset  requests by lease deadline (a process that dies stops renewing them)
 -- Numbers are stored with 17 significant digits so that every double survives the round trip.
 
-local BASE = KEYS[1]
-local POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
-local RES, LEASES = BASE .. 'res', BASE .. 'leases'
+local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES
 local EVENTS = 'tp:gw:events'
 local STRINGS = {ent = true, state = true, wm = true, em = true}
+-- Records are read once per call into tables and written back by `save` (the fields that changed, of the
+-- records touched).
+local cache, dirty, order, loaded
+
+-- One call's keys and arguments, and a fresh record cache (Redis runs one call at a time).
+local function bind(keys, args)
+  KEYS, ARGV = keys, args
+  BASE = keys[1]
+  POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
+  RES, LEASES = BASE .. 'res', BASE .. 'leases'
+  cache, dirty, order, loaded = {}, {}, {}, {}
+end
 
 local function fmt(x)
   if x == math.huge then return 'inf' end
@@ -44,20 +55,20 @@ local function clock(arg)
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
--- Records are read once per script into tables and written back by `save` (every field, for dirty ones).
-local cache, dirty, order = {}, {}, {}
-
 local function load(key)
   local t = cache[key]
   if t == nil then
     t = {}
     local flat = redis.call('HGETALL', key)
+    local before = {}
     for i = 1, #flat, 2 do
       local field, value = flat[i], flat[i + 1]
-      if STRINGS[field] then t[field] = value else t[field] = num(value) end
+      if not STRINGS[field] then value = num(value) end
+      t[field], before[field] = value, value
     end
     t._key, t._new = key, #flat == 0
     cache[key] = t
+    loaded[key] = before
   end
   return t
 end
@@ -72,15 +83,17 @@ end
 local function drop(t)
   dirty[t._key] = nil
   cache[t._key] = {_key = t._key, _new = true}
+  loaded[t._key] = {}
   redis.call('DEL', t._key)
 end
 
 local function save()
   for _, key in ipairs(order) do
     if dirty[key] then
-      local t, flat = cache[key], {}
+      local t, flat, before = cache[key], {}, loaded[key] or {}
       for field, value in pairs(t) do
-        if string.sub(field, 1, 1) ~= '_' then
+        -- Compared as loaded (numbers as numbers): only a changed field is formatted and written.
+        if before[field] ~= value and string.sub(field, 1, 1) ~= '_' then
           table.insert(flat, field)
           if type(value) == 'number' then table.insert(flat, fmt(value)) else table.insert(flat, value) end
         end

@@ -1,4 +1,4 @@
--- READ: the snapshot `apps.policy.admit` decides on (in Python): the entitlement's levels, bucket and EWMA
+-- READ (no writes): the snapshot `apps.policy.admit` decides on (in Python): the entitlement's levels, bucket and EWMA
 -- state, the pool's levels, idle reservations, admission threshold and lowest evictable priority, and the
 -- pool's version, which COMMIT compares (compare-and-set).
 -- ARGV: now ('' = Redis time), entitlement id, bucket capacity (-1 = unlimited), bucket rate,
@@ -13,8 +13,10 @@ for i = 5, #ARGV do table.insert(reserved, ARGV[i]) end
 local idle_slots, idle_kv = idle_reservations(reserved, '')
 local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
 local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
-save()
-return {fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(e.kv_running), fmt(level), fmt(e.debt),
-        fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')), fmt(idle_slots), fmt(idle_kv),
-        low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')), fmt(field(pool, 'ev_kv')),
-        fmt(field(pool, 'ver'))}
+-- Nothing is written: the refill and the limits seen here are applied for real by COMMIT (a refill is the same
+-- in one step or two), so concurrent readers never disturb each other.
+-- Counts go back as integers (no formatting); amounts as exact decimal strings.
+return {e.in_flight, fmt(e.kv_in_flight), e.running, fmt(e.kv_running), fmt(level), fmt(e.debt),
+        fmt(e.burst), field(pool, 'running'), fmt(field(pool, 'kv')), idle_slots, fmt(idle_kv),
+        low[2] or '', low_evict[2] or '', field(pool, 'ev_n'), fmt(field(pool, 'ev_kv')),
+        field(pool, 'ver')}
