@@ -1,13 +1,17 @@
 """Glue between the services and DRF shared by every REST API: the services' Django exceptions as DRF
-responses, the one pagination of every list (``REST_FRAMEWORK["DEFAULT_PAGINATION_CLASS"]``) and the body
-parsers (``DEFAULT_PARSER_CLASSES``)."""
+responses, the one pagination of every list (``REST_FRAMEWORK["DEFAULT_PAGINATION_CLASS"]``), filters that
+keep what a database refuses out of queries, and the body parsers (``DEFAULT_PARSER_CLASSES``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import IO, Any, TypeVar
 
+import django_filters
+from django import forms
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django_filters.fields import IsoDateTimeField
 from rest_framework import parsers, serializers
 from rest_framework.exceptions import ParseError
 from rest_framework.pagination import LimitOffsetPagination
@@ -82,6 +86,30 @@ def _bounded_int(request: Request, name: str, *, minimum: int, maximum: int) -> 
     if not (raw.isascii() and raw.isdigit()) or not minimum <= int(raw) <= maximum:
         raise serializers.ValidationError({name: [f"{problem}, not {raw[:40]!r}"]})
     return int(raw)
+
+
+# --- filters --------------------------------------------------------------------------------------------
+
+
+class UtcIsoDateTimeField(IsoDateTimeField):
+    """An ISO 8601 time, turned to UTC before it reaches a query.
+
+    Python takes UTC offsets up to ±23:59 and years from 1; PostgreSQL refuses offsets past ±15:59, and a
+    time near year 1 or 9999 may leave the calendar once converted: either way a 500 unless caught here.
+    """
+
+    def to_python(self, value: Any) -> datetime | None:
+        result = super().to_python(value)
+        if result is None:
+            return None
+        try:
+            return result.astimezone(UTC)
+        except OverflowError as exc:
+            raise forms.ValidationError("out of range once converted to UTC") from exc
+
+
+class UtcIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
+    field_class = UtcIsoDateTimeField
 
 
 # --- body parsers ---------------------------------------------------------------------------------------

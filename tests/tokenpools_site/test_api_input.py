@@ -120,3 +120,20 @@ def test_a_url_no_route_matches_is_a_json_404(root: APIClient, path: str) -> Non
 def test_pages_outside_the_api_keep_their_html_404(root: APIClient) -> None:
     response = root.get("/no-such-page/")
     assert response.status_code == 404 and response["content-type"].startswith("text/html")
+
+
+@pytest.mark.parametrize(("query", "status"), [
+    ("since=0510-02-25T18:33:04-21:56", 200),  # an offset PostgreSQL refuses, taken as the same time in UTC
+    ("until=2030-01-01T00:00:00%2B14:00", 200),
+    ("since=0001-01-01T00:00:00%2B05:00", 400),  # before year 1 once in UTC
+    ("until=9999-12-31T23:00:00-05:00", 400),  # after 9999 once in UTC
+    ("since=yesterday", 400),
+])
+def test_usage_time_filters_take_any_offset_and_refuse_times_off_the_calendar(root: APIClient, query: str,
+                                                                              status: int) -> None:
+    response = root.get(f"/api/v1/usage/?{query}")
+    assert response.status_code == status, response.content[:300]
+    if status == 400:
+        assert list(response.json()) == [query.split("=")[0]]
+    else:
+        assert response.json()["count"] == 1  # the one record, of now
