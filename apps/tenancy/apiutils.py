@@ -158,5 +158,3 @@ class MultiPartParser(parsers.MultiPartParser):
         reject_nul(parsed.data)
         return parsed
 
-
-API_PARSERS = [JSONParser, FormParser, MultiPartParser]

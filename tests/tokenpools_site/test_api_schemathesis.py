@@ -5,11 +5,13 @@ with a small world of tenants, pools, entitlements, keys (one made by the system
 one revoked; one expired) and usage records. Path parameters are drawn either by schemathesis or from that
 world's real names and ids, so detail operations also reach real objects, not only 404s.
 
-Bounded and reproducible: a fixed seed, derandomized generation, no example database, a few examples per
-operation; the site is called in-process through Django's WSGI handler (the same views, middleware and
-authentication as under uvicorn, without a server). The checks: no 5xx, every status code documented,
-response bodies, content types and headers as the schema says, invalid input (negative cases: bad
-``limit``, ``offset``, filters, bodies) rejected, and authentication enforced where the schema asks for it.
+Bounded and reproducible: a fixed seed, derandomized generation, no example database; 12 random cases per
+operation plus the boundaries of every query and path parameter, 30 random cases per operation with a body
+(valid and invalid alike). The site is called in-process through Django's WSGI handler (the same views,
+middleware and authentication as under uvicorn, without a server). The checks: no 5xx, every status code
+documented, response bodies, content types and headers as the schema says, invalid path and query
+parameters (``limit``, ``offset``, filters, ids) rejected, authentication enforced where the schema asks
+for it, and undeclared methods answered 405.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from schemathesis.specs.openapi.checks import (
 from apps.gateway.models import UsageRecord
 from apps.pools.models import Replica
 from apps.tenancy.actors import SYSTEM
-from apps.tenancy.models import Membership
+from apps.tenancy.models import ApiKey, Membership
 from apps.tenancy.services import apikey_create, apikey_revoke
 from tests.pools.factories import make_entitlement, make_pool
 
@@ -134,7 +136,7 @@ def world(admin: Any, acme: Any, globex: Any, owner: Any, member: Any, pool: Any
     ]
     revoked, _ = apikey_create(actor=owner, entitlement=ent, name="revoked")
     apikey_revoke(actor=owner, key=revoked)
-    keys[2].__class__.objects.filter(pk=keys[2].pk).update(expires_at=now - timedelta(minutes=1))
+    ApiKey.objects.filter(pk=keys[2].pk).update(expires_at=now - timedelta(minutes=1))
     minute = now.replace(second=0, microsecond=0)
     usage = [UsageRecord.objects.create(tenant=t, entitlement=e, minute=minute, requests=3, prompt_tokens=30,
                                         completion_tokens=12, rejected=1) for t, e in ((acme, "acme-g"), (globex, "globex-e"))]
