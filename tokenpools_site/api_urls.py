@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from django.urls import path
-from rest_framework.authtoken.views import obtain_auth_token
+from rest_framework.authtoken.views import ObtainAuthToken
 from rest_framework.routers import DefaultRouter
 
 from apps.gateway.api import UsageRecordViewSet
 from apps.operations.api import ApiKeyViewSet, TenantViewSet
 from apps.pools.api import ApplyView, EntitlementViewSet, ExportView, PoolViewSet
 from apps.tenancy.api import MembershipViewSet, UserViewSet
+from apps.tenancy.apiutils import FormParser, JSONParser, MultiPartParser
 
 router = DefaultRouter()
 router.register("tenants", TenantViewSet, basename="tenant")
@@ -24,6 +25,8 @@ urlpatterns = [
     path("apply", ApplyView.as_view(), name="apply"),
     path("export", ExportView.as_view(), name="export"),
     # Scripts trade a username and password for their API token here (POST username, password).
-    path("auth/token", obtain_auth_token, name="auth-token"),
+    # DRF's view names its own parsers; these also refuse NUL characters (a username is looked up).
+    path("auth/token", ObtainAuthToken.as_view(parser_classes=[FormParser, MultiPartParser, JSONParser]),
+         name="auth-token"),
     *router.urls,
 ]

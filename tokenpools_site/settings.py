@@ -204,10 +204,17 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    # DRF's three parsers, refusing NUL characters in text (a 500 on PostgreSQL otherwise).
+    "DEFAULT_PARSER_CLASSES": [
+        "apps.tenancy.apiutils.JSONParser",
+        "apps.tenancy.apiutils.FormParser",
+        "apps.tenancy.apiutils.MultiPartParser",
+    ],
+    # Every list: ?limit= (1 to 500, default PAGE_SIZE) and ?offset=; a bad value is a 400 field error.
+    "DEFAULT_PAGINATION_CLASS": "apps.tenancy.apiutils.ApiPagination",
     "PAGE_SIZE": 50,
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "apps.tenancy.apischema.ApiSchema",
 }
 
 SPECTACULAR_SETTINGS = {

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path
+from django.views.defaults import page_not_found
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 urlpatterns = [
@@ -16,3 +18,14 @@ urlpatterns = [
     path("api/v1/", include("tokenpools_site.api_urls")),
     path("", include("apps.dashboard.urls")),
 ]
+
+
+def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """404 for a URL no route matches: the REST API's JSON shape under /api/ (an id that is not a number, a
+    mistyped path), the HTML page elsewhere. (With DEBUG on, Django shows its own page instead.)"""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return page_not_found(request, exception)
+
+
+handler404 = not_found

@@ -13,6 +13,7 @@ from rest_framework import serializers, viewsets
 
 from apps.gateway.models import UsageRecord
 from apps.gateway.selectors import usage_record_list
+from apps.tenancy.apiutils import UtcIsoDateTimeFilter
 
 
 class UsageRecordSerializer(serializers.ModelSerializer):
@@ -27,8 +28,8 @@ class UsageRecordSerializer(serializers.ModelSerializer):
 
 class UsageRecordFilter(django_filters.FilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug")
-    since = django_filters.IsoDateTimeFilter(field_name="minute", lookup_expr="gte")
-    until = django_filters.IsoDateTimeFilter(field_name="minute", lookup_expr="lt")
+    since = UtcIsoDateTimeFilter(field_name="minute", lookup_expr="gte")
+    until = UtcIsoDateTimeFilter(field_name="minute", lookup_expr="lt")
 
     class Meta:
         model = UsageRecord

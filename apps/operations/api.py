@@ -10,7 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import django_filters
-from drf_spectacular.utils import extend_schema
+from django import forms
+from django.db.models import Q
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -21,7 +24,7 @@ from apps.operations.serializers import ApiKeyCreatedSerializer, ApiKeySerialize
 from apps.operations.tenants import tenant_delete
 from apps.tenancy import selectors as tenancy_selectors
 from apps.tenancy import services as tenancy_services
-from apps.tenancy.apiutils import call_service
+from apps.tenancy.apiutils import NAME_IN_PATH, call_service
 from apps.tenancy.models import ApiKey, Tenant
 from apps.tenancy.permissions import SuperuserCreates
 from apps.tenancy.serializers import TenantSerializer
@@ -33,7 +36,7 @@ class TenantViewSet(viewsets.ModelViewSet):
     serializer_class = TenantSerializer
     permission_classes = [SuperuserCreates]
     lookup_field = "slug"
-    lookup_value_regex = "[^/]+"
+    lookup_value_regex = NAME_IN_PATH
 
     def get_queryset(self) -> Any:
         return tenancy_selectors.tenant_list(user=self.request.user)
@@ -56,32 +59,74 @@ class TenantViewSet(viewsets.ModelViewSet):
         call_service(tenant_delete, actor=self.request.user, tenant=instance)
 
 
+class StrictBooleanField(forms.NullBooleanField):
+    """``true``/``false`` (or ``1``/``0``); anything else is a field error, where Django's field reads it as unset."""
+
+    # The ignore: the stubs give NullBooleanField BooleanField's `-> bool`; Django's own returns None too.
+    def to_python(self, value: Any) -> bool | None:  # type: ignore[override]
+        if value in (None, ""):
+            return None
+        if value in (True, "true", "True", "1"):
+            return True
+        if value in (False, "false", "False", "0"):
+            return False
+        raise forms.ValidationError("must be true or false")
+
+
+class StrictBooleanFilter(django_filters.BooleanFilter):
+    field_class = StrictBooleanField
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # A text widget hands the raw value to the field (the default select reads unknown values as unset).
+        kwargs.setdefault("widget", forms.TextInput)
+        super().__init__(*args, **kwargs)
+
+
+KEY_STATUSES = [("active", "active"), ("expired", "expired"), ("revoked", "revoked")]
+
+
 class ApiKeyFilter(django_filters.FilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug")
     entitlement = django_filters.CharFilter(field_name="entitlement__name")
-    revoked = django_filters.BooleanFilter(field_name="revoked_at", lookup_expr="isnull", exclude=True)
+    revoked = StrictBooleanFilter(field_name="revoked_at", lookup_expr="isnull", exclude=True,
+                                  help_text="true: only revoked keys (which the list leaves out by default)")
+    status = django_filters.ChoiceFilter(choices=KEY_STATUSES, method="filter_status",
+                                         help_text="only keys in this state; `revoked` lists revoked keys for audit")
 
     class Meta:
         model = ApiKey
-        fields = ["tenant", "entitlement", "revoked"]
+        fields = ["tenant", "entitlement", "revoked", "status"]
+
+    def filter_status(self, queryset: Any, name: str, value: str) -> Any:
+        if value == "revoked":
+            return queryset.filter(revoked_at__isnull=False)
+        expired = Q(expires_at__isnull=False, expires_at__lte=timezone.now())
+        live = queryset.filter(revoked_at__isnull=True)
+        return live.filter(expired) if value == "expired" else live.exclude(expired)
 
 
+@extend_schema_view(destroy=extend_schema(description="Revoke the key: the gateway refuses it from then on, and it "
+                                          "leaves the API's view (404 afterwards; `?status=revoked` lists it)."))
 class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin,
                     mixins.DestroyModelMixin, viewsets.GenericViewSet):
     """API keys. The secret appears only in the creation response; lists show the prefix.
 
     Owners and members of the tenant create keys; owners revoke any of the tenant's keys, members only
-    the keys they created. ``DELETE`` and ``POST .../revoke/`` both revoke (the row stays, for audit).
+    the keys they created. ``DELETE`` and ``POST .../revoke/`` both revoke; a revoked key then leaves the
+    API's view (a 404, and the list leaves it out) but its row stays for audit: ``?status=revoked`` (or
+    ``?revoked=true``) lists revoked keys.
     """
 
     serializer_class = ApiKeySerializer
     filterset_class = ApiKeyFilter
 
     def get_queryset(self) -> Any:
-        return tenancy_selectors.apikey_list(user=self.request.user)
+        params = self.request.query_params
+        audit = self.action == "list" and bool(params.get("status") or params.get("revoked"))
+        return tenancy_selectors.apikey_list(user=self.request.user, include_revoked=audit)
 
     def get_object(self) -> Any:
-        return tenancy_selectors.apikey_get(user=self.request.user, key_id=self.kwargs["pk"])
+        return tenancy_selectors.apikey_get(user=self.request.user, key_id=self.kwargs["pk"], include_revoked=False)
 
     @extend_schema(responses={201: ApiKeyCreatedSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -102,5 +147,6 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Cre
     @extend_schema(request=None, responses={200: ApiKeySerializer})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, pk: str | None = None) -> Response:
+        """Revoke the key, as ``DELETE`` does, and answer with it as it is now (``status``: revoked)."""
         key = call_service(tenancy_services.apikey_revoke, actor=request.user, key=self.get_object())
         return Response(ApiKeySerializer(key, context=self.get_serializer_context()).data)

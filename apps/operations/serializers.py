@@ -17,8 +17,9 @@ class ApiKeySerializer(serializers.ModelSerializer):
         slug_field="slug", read_only=True
     )
     entitlement = serializers.SlugRelatedField(slug_field="name", queryset=ApiKey.objects.none())
+    # Null for keys made by the system (`manage.py create_key`, the demo) or whose creator was deleted.
     created_by: serializers.SlugRelatedField[AbstractBaseUser] = serializers.SlugRelatedField(
-        slug_field="username", read_only=True
+        slug_field="username", read_only=True, allow_null=True
     )
     status = serializers.CharField(read_only=True)
 

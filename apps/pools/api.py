@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 import django_filters
-from django.http import HttpResponse
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from django.http import Http404, HttpResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
-from rest_framework.parsers import BaseParser, FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
@@ -25,16 +25,28 @@ from apps.pools import selectors, services
 from apps.pools.manifests import ManifestError, manifests_apply, manifests_export
 from apps.pools.models import SERVICE_CLASS_CHOICES, EntitlementState, TokenEntitlement, TokenPool
 from apps.pools.serializers import (
+    ApplyErrorsSerializer,
+    ApplyReportSerializer,
     ApplyRequestSerializer,
     EntitlementSerializer,
     PoolSerializer,
     StateChangeSerializer,
 )
-from apps.tenancy.apiutils import call_service
+from apps.tenancy.apischema import FIELD_ERRORS, NOT_FOUND
+from apps.tenancy.apiutils import (
+    NAME_IN_PATH,
+    NUL_MESSAGE,
+    FormParser,
+    JSONParser,
+    MultiPartParser,
+    call_service,
+)
 from apps.tenancy.permissions import SuperuserOrReadOnly
 from apps.tenancy.selectors import tenant_get
 
 
+# A pool that still has entitlements cannot be deleted: a 400.
+@extend_schema_view(destroy=extend_schema(responses={204: None, 400: FIELD_ERRORS}))
 class PoolViewSet(viewsets.ModelViewSet):
     """Token pools with their replicas and derived capacity; superusers create, change and delete them.
 
@@ -44,7 +56,7 @@ class PoolViewSet(viewsets.ModelViewSet):
     serializer_class = PoolSerializer
     permission_classes = [SuperuserOrReadOnly]
     lookup_field = "name"
-    lookup_value_regex = "[^/]+"
+    lookup_value_regex = NAME_IN_PATH
     filterset_fields = ["backend_kind"]
 
     def get_queryset(self) -> Any:
@@ -96,7 +108,7 @@ class EntitlementViewSet(viewsets.ModelViewSet):
     serializer_class = EntitlementSerializer
     filterset_class = EntitlementFilter
     lookup_field = "name"
-    lookup_value_regex = "[^/]+"
+    lookup_value_regex = NAME_IN_PATH
 
     def get_queryset(self) -> Any:
         return selectors.entitlement_list(user=self.request.user)
@@ -123,7 +135,8 @@ class EntitlementViewSet(viewsets.ModelViewSet):
     def perform_destroy(self, instance: Any) -> None:
         call_service(services.entitlement_delete, actor=self.request.user, entitlement=instance)
 
-    @extend_schema(responses={200: StateChangeSerializer(many=True)})
+    # filters=False: the entitlement filters of the list do not apply to one entitlement's history.
+    @extend_schema(responses={200: StateChangeSerializer(many=True)}, filters=False)
     @action(detail=True, methods=["get"])
     def history(self, request: Request, name: str | None = None) -> Response:
         """Every state change of the entitlement (from, to, reason, when), oldest first."""
@@ -147,10 +160,16 @@ class YAMLTextParser(BaseParser):
     ) -> str:
         raw = stream.read() if stream is not None else b""
         try:
-            return raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValidationError({"errors": [{"index": None, "kind": "", "name": "", "field": "",
-                                               "message": "body is not UTF-8"}]}) from exc
+            raise ValidationError({"errors": [_body_issue("body is not UTF-8")]}) from exc
+        if "\x00" in text:
+            raise ValidationError({"errors": [_body_issue(NUL_MESSAGE)]})
+        return text
+
+
+def _body_issue(message: str) -> dict[str, Any]:
+    return {"index": None, "kind": "", "name": "", "field": "", "message": message}
 
 
 class XYAMLTextParser(YAMLTextParser):
@@ -177,8 +196,11 @@ class ApplyView(APIView):
     parser_classes = [JSONParser, YAMLTextParser, XYAMLTextParser, TextYAMLParser, PlainTextParser, FormParser,
                       MultiPartParser]
 
-    @extend_schema(request=ApplyRequestSerializer, responses={200: OpenApiResponse(description="apply report"),
-                                                             400: OpenApiResponse(description="errors")})
+    @extend_schema(request=ApplyRequestSerializer, responses={
+        200: OpenApiResponse(ApplyReportSerializer, description="what was created, updated or unchanged"),
+        400: OpenApiResponse(ApplyErrorsSerializer, description="bad input: nothing was written"),
+        403: OpenApiResponse(ApplyErrorsSerializer, description="a document needs rights the user lacks"),
+    })
     def post(self, request: Request) -> Response:
         body = request.data
         upload = request.FILES.get("file") if hasattr(request, "FILES") else None
@@ -187,6 +209,8 @@ class ApplyView(APIView):
                 documents: Any = upload.read().decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ValidationError({"file": ["not UTF-8 text"]}) from exc
+            if "\x00" in documents:
+                raise ValidationError({"file": [NUL_MESSAGE]})
         elif isinstance(body, str | list):
             documents = body
         else:
@@ -207,10 +231,13 @@ class ExportView(APIView):
     """``GET /api/v1/export``: the pools and entitlements the user may see, as manifests ``apply`` accepts."""
 
     @extend_schema(parameters=[OpenApiParameter("tenant", str, description="only this tenant (slug)")],
-                   responses={(200, "application/yaml"): OpenApiResponse(description="multi-document YAML")})
+                   responses={(200, "application/yaml"): OpenApiResponse(description="multi-document YAML"),
+                              404: NOT_FOUND})
     def get(self, request: Request) -> HttpResponse:
         tenant = None
         slug = request.query_params.get("tenant")
+        if slug and "\x00" in slug:  # no slug holds one, and PostgreSQL refuses to compare text with NUL
+            raise Http404(f"no tenant {slug!r}")
         if slug:
             tenant = tenant_get(user=request.user, slug=slug)
         return HttpResponse(manifests_export(user=request.user, tenant=tenant), content_type="application/yaml")

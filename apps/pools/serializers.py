@@ -168,3 +168,35 @@ class ApplyRequestSerializer(serializers.Serializer):
 
     manifest = serializers.CharField(required=False, help_text="multi-document YAML text")
     documents = serializers.ListField(child=serializers.DictField(), required=False)
+
+
+class ManifestIssueSerializer(serializers.Serializer):
+    index = serializers.IntegerField(allow_null=True, help_text="the document's position; null for the whole manifest")
+    kind = serializers.CharField()
+    name = serializers.CharField()
+    field = serializers.CharField()
+    message = serializers.CharField()
+
+
+class ApplyErrorsSerializer(serializers.Serializer):
+    """Why nothing was applied: ``errors`` for the manifest's problems; field errors of the request itself
+    (``file``, ``non_field_errors``) or ``detail`` otherwise."""
+
+    # The ignore: the field shadows Serializer.errors in the stubs only (the metaclass takes declared fields
+    # off the class); the response's key is "errors".
+    errors = ManifestIssueSerializer(many=True, required=False)  # type: ignore[assignment]
+    detail = serializers.CharField(required=False)
+
+
+class AppliedDocumentSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    kind = serializers.CharField()
+    name = serializers.CharField()
+    action = serializers.ChoiceField(choices=["created", "updated", "unchanged"])
+
+
+class ApplyReportSerializer(serializers.Serializer):
+    created = serializers.IntegerField()
+    updated = serializers.IntegerField()
+    unchanged = serializers.IntegerField()
+    documents = AppliedDocumentSerializer(many=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import django_filters
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -20,6 +20,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from apps.tenancy import selectors, services
+from apps.tenancy.apischema import FIELD_ERRORS
 from apps.tenancy.apiutils import call_service
 from apps.tenancy.models import Membership
 from apps.tenancy.permissions import SuperuserCreates
@@ -65,6 +66,8 @@ class MembershipFilter(django_filters.FilterSet):
         fields = ["tenant", "role"]
 
 
+# A tenant keeps at least one owner: removing the last one is a 400.
+@extend_schema_view(destroy=extend_schema(responses={204: None, 400: FIELD_ERRORS}))
 class MembershipViewSet(viewsets.ModelViewSet):
     """Users' roles (owner, member) in tenants. Owners of the tenant and superusers change them."""
 

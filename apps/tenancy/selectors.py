@@ -124,9 +124,10 @@ def apikey_list(
     return qs
 
 
-def apikey_get(*, user: AnyUser, key_id: int | str) -> ApiKey:
+def apikey_get(*, user: AnyUser, key_id: int | str, include_revoked: bool = True) -> ApiKey:
+    """One visible key; ``Http404`` if missing, not the user's, or revoked while ``include_revoked`` is False."""
     try:
-        return apikey_list(user=user).get(pk=key_id)
+        return apikey_list(user=user, include_revoked=include_revoked).get(pk=key_id)
     except (ApiKey.DoesNotExist, ValueError, TypeError) as exc:
         raise Http404("no such API key") from exc
 
