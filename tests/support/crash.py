@@ -38,10 +38,12 @@ def upstream(first_token_delay_s: float = 0.0, token_delay_s: float = 0.0) -> It
 
 
 def crash_site(workdir: Path, backend: Upstream, *, concurrency: int, env: dict[str, str]) -> PreparedSite:
+    """A guaranteed entitlement: it never borrows beyond its concurrency, so a slot held by a dead process is
+    a slot it cannot use (a class that may burst would borrow the pool's idle slots instead)."""
     workdir.mkdir(parents=True, exist_ok=True)
     manifest = documents(
         tiny_pool(POOL, backend.url, slots=256),
-        entitlement("crash", tenant="acme", pool=POOL, service_class="dedicated", concurrency=concurrency),
+        entitlement("crash", tenant="acme", pool=POOL, service_class="guaranteed", concurrency=concurrency),
     )
     return prepare_site(workdir, tenants=["acme"], manifest=manifest, key_for=["crash"], env=env)
 
