@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -139,17 +140,25 @@ def prepare_bench_site(workdir: Path, upstream: str, repo: Path = REPO) -> Prepa
                         database=f"site-{repo.name}.sqlite3")
 
 
-def measure_site(label: str, site: PreparedSite, args: argparse.Namespace, workdir: Path) -> list[Measurement]:
-    """The site with the in-process store, then with Redis (two targets)."""
-    key = site.keys["bench"]
+def measure_sites(sites: list[tuple[str, PreparedSite]], args: argparse.Namespace,
+                  workdir: Path) -> list[Measurement]:
+    """Each site with the in-process store, then with Redis; with several sites (this commit and a baseline)
+    their servers run side by side and are measured in alternation (`measure_alternating`)."""
     rows: list[Measurement] = []
-    with serving(site, log_name=f"gateway-memory-{site.repo.name}.log", cpu_core=SERVER_CORE) as (url, _):
-        rows += measure(f"tokenpools (memory){label}", url, key, args, workdir)
-    with running_redis() as redis_url, serving(
-        site, env={"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis"},
-        log_name=f"gateway-redis-{site.repo.name}.log", cpu_core=SERVER_CORE,
-    ) as (url, _):
-        rows += measure(f"tokenpools (redis){label}", url, key, args, workdir)
+    for store in ("memory", "redis"):
+        with contextlib.ExitStack() as stack:
+            targets = []
+            for suffix, site in sites:
+                env = None
+                if store == "redis":
+                    env = {"REDIS_URL": stack.enter_context(running_redis()), "GATEWAY_STATE_BACKEND": "redis"}
+                url, _ = stack.enter_context(serving(site, env=env, log_name=f"gateway-{store}-{site.repo.name}.log",
+                                                     cpu_core=SERVER_CORE))
+                targets.append((f"tokenpools ({store}){suffix}", url, site.keys["bench"]))
+            if len(targets) == 1:
+                rows += measure(*targets[0], args, workdir)
+            else:
+                rows += measure_alternating(targets, args, workdir)
     return rows
 
 
@@ -230,21 +239,47 @@ def run_wrk(url: str, key: str, concurrency: int, duration_s: int, workdir: Path
     return rps, p50, p99, int(non2xx.group(1)) if non2xx else 0, sum(map(int, errors.groups())) if errors else 0
 
 
+def _loads(args: argparse.Namespace) -> list[tuple[int, float | None]]:
+    """(streams, paced rate or None for the closed loop) of every measurement."""
+    return [(c, None) for c in args.concurrency] + [(PACED_STREAMS, rate) for rate in args.paced_rate]
+
+
+def measure_one(label: str, url: str, key: str, load: tuple[int, float | None], args: argparse.Namespace,
+                workdir: Path) -> Measurement:
+    streams, rate = load
+    delay_ms = None if rate is None else PACED_STREAMS / rate * 1000
+    rps, p50, p99, non2xx, errors = run_wrk(url, key, streams, args.duration, workdir, delay_ms=delay_ms)
+    shape = f"c={streams:<4}" if rate is None else f"paced {rate:.0f}/s c={streams}"
+    print(f"  {label:<30} {shape:<18} {rps:>7.0f} req/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms"
+          f"  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
+    return Measurement(label, streams, rps, p50, p99, non2xx, errors, paced_rate=rate)
+
+
 def measure(label: str, url: str, key: str, args: argparse.Namespace, workdir: Path) -> list[Measurement]:
     _check_ok(url, key)
     run_wrk(url, key, 8, 2, workdir)  # warm-up: connections, caches, JIT-free but import-lazy paths
-    rows = []
-    for c in args.concurrency:
-        rps, p50, p99, non2xx, errors = run_wrk(url, key, c, args.duration, workdir)
-        rows.append(Measurement(label, c, rps, p50, p99, non2xx, errors))
-        print(f"  {label:<22} c={c:<4} {rps:>9.0f} req/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms"
-              f"  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
-    for rate in args.paced_rate:
-        delay_ms = PACED_STREAMS / rate * 1000
-        rps, p50, p99, non2xx, errors = run_wrk(url, key, PACED_STREAMS, args.duration, workdir, delay_ms=delay_ms)
-        rows.append(Measurement(label, PACED_STREAMS, rps, p50, p99, non2xx, errors, paced_rate=rate))
-        print(f"  {label:<22} paced {rate:.0f}/s c={PACED_STREAMS} {rps:>6.0f} req/s  p50 {p50:7.2f} ms"
-              f"  p99 {p99:7.2f} ms  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
+    return [measure_one(label, url, key, load, args, workdir) for load in _loads(args)]
+
+
+def measure_alternating(targets: list[tuple[str, str, str]], args: argparse.Namespace, workdir: Path,
+                        rounds: int = 3) -> list[Measurement]:
+    """Several servers running at once, measured in turn for every load, `rounds` times in alternating order;
+    each figure the median of its rounds. Drift on a shared machine (another job starting) then falls on
+    every target alike instead of on whichever was measured last."""
+    for _label, url, key in targets:
+        _check_ok(url, key)
+        run_wrk(url, key, 8, 2, workdir)
+    rows: list[Measurement] = []
+    for load in _loads(args):
+        taken: dict[str, list[Measurement]] = {label: [] for label, _, _ in targets}
+        for round_ in range(rounds):
+            for label, url, key in (targets if round_ % 2 == 0 else list(reversed(targets))):
+                taken[label].append(measure_one(label, url, key, load, args, workdir))
+        for label, runs in taken.items():
+            rows.append(Measurement(
+                label, load[0], statistics.median(r.requests_per_s for r in runs),
+                statistics.median(r.p50_ms for r in runs), statistics.median(r.p99_ms for r in runs),
+                sum(r.non_2xx for r in runs), sum(r.errors for r in runs), paced_rate=load[1]))
     return rows
 
 
@@ -383,11 +418,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"upstream {upstream}", file=sys.stderr)
             rows += measure("direct", upstream, "unused", args, workdir)
             with contextlib.ExitStack() as stack:
+                sites = [("", prepare_bench_site(workdir, upstream))]
                 if args.baseline:
-                    # The baseline commit first, then this one: the same machine, minutes apart.
                     tree = stack.enter_context(source_tree(args.baseline))
-                    rows += measure_site(f" @{tree.name}", prepare_bench_site(workdir, upstream, tree), args, workdir)
-                rows += measure_site("", prepare_bench_site(workdir, upstream), args, workdir)
+                    sites.append((f" @{tree.name}", prepare_bench_site(workdir, upstream, tree)))
+                rows += measure_sites(sites, args, workdir)
             if not args.no_litellm:
                 with litellm_proxy(upstream, workdir) as url:
                     rows += measure("litellm", url, LITELLM_MASTER_KEY, args, workdir)

@@ -301,7 +301,8 @@ class Gateway:
             watcher.cancel()
 
     async def _serve(self, ctx: RequestContext, entry: KeyEntry, parsed: ParsedRequest, pool: PoolInfo) -> None:
-        await self.sync_pool(pool)
+        if self._synced.get(pool.name) is not pool:  # a new snapshot of the pool: once, not per request
+            await self.sync_pool(pool)
         replicas = self.replica_set(pool)
         input_tokens = await self.tokens.count(
             client=self.client, pool=pool.name, model=pool.model_name, urls=tuple(replicas.candidates()) or pool.replica_urls,

@@ -110,11 +110,22 @@ def _bucket_args(limits: EntitlementLimits) -> tuple[str, str]:
 
 
 def _reserved_args(pool: PoolInfo) -> tuple[int, list[str]]:
-    """The pool's reservations as script arguments, and a signature that says when they changed."""
+    """The pool's reservations as script arguments, and a signature that says when they changed (computed
+    once per snapshot of the pool: every offer passes them)."""
+    cached = _RESERVED.get(id(pool))
+    if cached is not None and cached[0] is pool:
+        return cached[1], cached[2]
     pairs: list[str] = []
     for name, concurrency, kv_bytes in pool.reserved:
         pairs += [name, f"{int(concurrency)} {float(kv_bytes)!r}"]
-    return zlib.crc32("\x00".join(pairs).encode()), pairs
+    signature = zlib.crc32("\x00".join(pairs).encode())
+    if len(_RESERVED) > 1024:
+        _RESERVED.clear()
+    _RESERVED[id(pool)] = (pool, signature, pairs)
+    return signature, pairs
+
+
+_RESERVED: dict[int, tuple[PoolInfo, int, list[str]]] = {}
 
 
 def _capacity_args(pool: PoolInfo, saturation: float, config: AdmissionConfig) -> list[str]:
