@@ -351,7 +351,8 @@ def _baseline_rows(rows: list[Measurement]) -> list[str]:
         return []
     direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
     by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
-    lines = ["", f"This commit against {next(iter(baseline.values())).split(' @')[1]} (same run; ratios this / "
+    lines = ["", f"This commit against {next(iter(baseline.values())).split(' @')[1]} (same run: both commits' "
+             "servers up side by side, measured in alternation, each figure the median of 3 rounds; ratios this / "
              "baseline; requests/s higher is better, added latency lower is better):", "",
              "| store | load | req/s | req/s ratio | added p50 ms (base) | added p50 ratio | added p99 ms (base) "
              "| added p99 ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
