@@ -91,11 +91,14 @@ def _gateway(gateway_factory: Any, redis: PrivateRedis) -> Any:
                            config={"tokenize": False})
 
 
-def test_a_store_stopped_and_restarted_with_its_data_leaves_nothing_held(gateway_factory: Any,
-                                                                        persistent_redis: PrivateRedis) -> None:
+def test_a_store_stopped_and_restarted_with_its_data_leaves_nothing_held(
+    gateway_factory: Any, persistent_redis: PrivateRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
     h = _gateway(gateway_factory, persistent_redis)
     assert _all_admitted(h)
     elapsed = _outage_with_requests_in_flight(h, h.upstreams[0], persistent_redis.stop, persistent_redis.start)
+    with capsys.disabled():
+        print(f"\nRedis stopped and restarted: all {CONCURRENCY} slots admitted {elapsed:.2f} s after its return")
     assert elapsed < BACK_WITHIN_S, elapsed
     deadline = time.monotonic() + 5
     while _gauge(h.url, "gateway_store_in_flight", '{pool="tiny",entitlement="acme-chat"}') != 0:
@@ -103,9 +106,12 @@ def test_a_store_stopped_and_restarted_with_its_data_leaves_nothing_held(gateway
         time.sleep(0.2)
 
 
-def test_a_frozen_store_leaves_nothing_held_once_it_thaws(gateway_factory: Any,
-                                                          persistent_redis: PrivateRedis) -> None:
+def test_a_frozen_store_leaves_nothing_held_once_it_thaws(
+    gateway_factory: Any, persistent_redis: PrivateRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
     h = _gateway(gateway_factory, persistent_redis)
     assert _all_admitted(h)
     elapsed = _outage_with_requests_in_flight(h, h.upstreams[0], persistent_redis.pause, persistent_redis.resume)
+    with capsys.disabled():
+        print(f"\nRedis frozen (SIGSTOP) then thawed: all {CONCURRENCY} slots admitted {elapsed:.2f} s after SIGCONT")
     assert elapsed < BACK_WITHIN_S, elapsed
