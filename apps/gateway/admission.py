@@ -9,7 +9,9 @@ Evictions the machine decides anywhere reach the victims through `InFlight.evict
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,6 +32,8 @@ from apps.gateway.state import (
 )
 from apps.gateway.usage import UsageAccumulator
 from apps.policy import AdmissionDecision, AdmissionRequest, EntitlementLimits, Reason
+from apps.policy.admission import resolved_max_tokens
+from apps.policy.quota import QuotaClaim
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ REASON_TEXT = {
     "rate_limit_exceeded": "The entitlement's token budget is exhausted.",
     "kv_cache_limit_exceeded": "The entitlement's KV cache allowance is exhausted.",
     "pool_contended": "The pool is contended and this request's priority is below the admission threshold.",
+    "quota_exceeded": "The quota of this entitlement or its tenant is used up for the current window.",
 }
 
 
@@ -111,8 +116,9 @@ class Admitter:
 
     async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, limits: EntitlementLimits, pool: PoolInfo,
                             scheduler: PoolScheduler, request: AdmissionRequest, saturation: float) -> Admission:
-        offer = await self._offer(limits, pool, request, scheduler, saturation)
-        ctx.view = offer.view
+        offer = await self._offer(limits, pool, request, scheduler, saturation,
+                                  quota_claim(entry, limits, request, time.time()))
+        ctx.view, ctx.quota = offer.view, offer.quota
         if offer.state == REJECTED:
             raise self._rejection(entry, limits, offer.decision)
         assert offer.reservation is not None
@@ -139,10 +145,10 @@ class Admitter:
         return admission
 
     async def _offer(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
-                     scheduler: PoolScheduler, saturation: float) -> Offer:
+                     scheduler: PoolScheduler, saturation: float, quota: QuotaClaim | None) -> Offer:
         try:
             return await self.store.offer(limits=limits, pool=pool, request=request, saturation=saturation,
-                                          slot=scheduler.slot_request())
+                                          slot=scheduler.slot_request(), quota=quota)
         except StateStoreUnavailable as exc:
             if self.config.fail_open:
                 return _unaccounted(limits, pool, request)
@@ -171,6 +177,20 @@ class Admitter:
     def count_rejection(self, entry: KeyEntry, limits: EntitlementLimits, reason: str) -> None:
         self.metrics.rejected.inc((limits.entitlement_id, str(limits.service_class), reason))
         self.usage.reject(tenant_id=entry.tenant_id, entitlement=entry.entitlement)
+
+
+def quota_claim(entry: KeyEntry, limits: EntitlementLimits, request: AdmissionRequest,
+                now_epoch: float) -> QuotaClaim | None:
+    """What the request reserves against its entitlement's and tenant's quotas: the prompt plus the
+    `max_tokens` check (2) will charge. None without quotas, or for a request check (2) rejects anyway."""
+    if not entry.quotas:
+        return None
+    max_tokens = resolved_max_tokens(limits, request)
+    if max_tokens is None:
+        return None
+    now = dt.datetime.fromtimestamp(now_epoch, dt.UTC)
+    return QuotaClaim(request.request_id, request.input_tokens, max_tokens,
+                      tuple(rule.charge_at(now) for rule in entry.quotas), now_epoch, scope=str(entry.tenant_id))
 
 
 def _unaccounted(limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest) -> Offer:

@@ -8,6 +8,7 @@ request ends early: a client that went away (`disconnected`) and a preemption (`
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 from apps.gateway.errors import GatewayError
 from apps.gateway.snapshot import KeyEntry
 from apps.gateway.state import RateView
+from apps.policy.quota import QuotaStanding
 
 JSON_TYPE = (b"content-type", b"application/json")
 Headers = list[tuple[bytes, bytes]]
@@ -52,6 +54,8 @@ class RequestContext:
     started: float = field(default_factory=time.perf_counter)
     entry: KeyEntry | None = None
     view: RateView | None = None
+    # The binding quota after the offer (x-tokenpools-quota-* headers), on admissions and rejections alike.
+    quota: QuotaStanding | None = None
     upstream_started: float | None = None
     upstream_answered: float | None = None
     task: asyncio.Task | None = None
@@ -88,6 +92,7 @@ class RequestContext:
             (b"x-request-id", self.request_id.encode()),
             (b"x-tokenpools-overhead-ms", f"{self.overhead_ms():.3f}".encode()),
             *ratelimit_headers(self.view),
+            *quota_headers(self.quota, time.time()),
         ]
 
     async def respond(self, status: int, body: bytes, extra: Headers) -> None:
@@ -101,6 +106,24 @@ class RequestContext:
     async def run_finish(self) -> None:
         if self.finish is not None:
             await self.finish()
+
+
+def _quota_amount(value: float, unit: str) -> bytes:
+    return (str(int(value)) if unit == "tokens" else f"{value:.6f}".rstrip("0").rstrip(".")).encode()
+
+
+def quota_headers(standing: QuotaStanding | None, now_epoch: float) -> Headers:
+    """The binding quota: its limit and what is left (in tokens or the currency), and whole seconds until
+    its window resets."""
+    if standing is None:
+        return []
+    charge = standing.charge
+    return [
+        (b"x-tokenpools-quota-limit", _quota_amount(charge.limit, charge.unit)),
+        (b"x-tokenpools-quota-remaining", _quota_amount(standing.remaining, charge.unit)),
+        (b"x-tokenpools-quota-reset", str(max(0, math.ceil(charge.reset_at - now_epoch))).encode()),
+        (b"x-tokenpools-quota-unit", charge.unit.encode()),
+    ]
 
 
 def ratelimit_headers(view: RateView | None) -> Headers:

@@ -34,6 +34,7 @@ from apps.policy import (
 )
 from apps.policy.admission import DEFAULT_ADMISSION_CONFIG
 from apps.policy.ledger import OUTCOME_UNKNOWN, WAITING, ReleaseResult
+from apps.policy.quota import QuotaBook, QuotaCharge, QuotaClaim, QuotaStanding
 from apps.policy.window import WindowReading
 
 
@@ -44,6 +45,8 @@ class MemoryStateStore(GatewayStateStore):
         self.config = config
         self._ledgers: dict[str, AdmissionLedger] = {}
         self._synced: dict[str, PoolInfo] = {}
+        # One book for every pool's ledger: a tenant's quota covers all its entitlements.
+        self.quotas = QuotaBook()
 
     # --- the pool as the snapshot describes it --------------------------------------------------------
 
@@ -55,7 +58,7 @@ class MemoryStateStore(GatewayStateStore):
         if ledger is None:
             ledger = self._ledgers[pool.name] = AdmissionLedger(
                 concurrency_capacity=max(0, pool.concurrency_capacity), kv_capacity=pool.kv_capacity,
-                mean_slo_ms=pool.mean_slo_ms, config=self.config, now=now,
+                mean_slo_ms=pool.mean_slo_ms, config=self.config, now=now, quotas=self.quotas,
             )
         if self._synced.get(pool.name) is not pool:
             self._apply(pool, ledger, now)
@@ -85,26 +88,27 @@ class MemoryStateStore(GatewayStateStore):
 
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
-        slot: SlotRequest | None = None,
+        slot: SlotRequest | None = None, quota: QuotaClaim | None = None,
     ) -> Offer:
         # One process: no shared budget, so `slot` is never taken here.
         now = self.clock.now()
         ledger = self._ledger(pool, now)
         if saturation != ledger.saturation:
             self._notify(started=ledger.set_saturation(saturation, now))
-        result = ledger.request(limits.entitlement_id, request, now, limits=limits)
+        result = ledger.request(limits.entitlement_id, request, now, limits=limits, quota=quota)
         decision = result.decision
         usage = ledger.usage(limits.entitlement_id, now)
         view = rate_view(limits, usage.in_flight, usage.tokens_available)
+        standing = None if result.quota is None else result.quota.standing
         state = ledger.request_state(request.request_id) if (decision.admitted or decision.queued) else None
         if state is None:
-            return Offer(decision, None, view, REJECTED)
+            return Offer(decision, None, view, REJECTED, quota=standing)
         if state == WAITING:
             self._expect(request.request_id)
         others = [started for started in result.started if started != request.request_id]
         self._notify(started=others, evicted=result.evicted)
-        return Offer(decision, reservation_for(limits, pool.name, request, decision), view, state,
-                     result.started, result.evicted)
+        return Offer(decision, reservation_for(limits, pool.name, request, decision, quota), view, state,
+                     result.started, result.evicted, quota=standing)
 
     async def release(
         self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
@@ -114,6 +118,7 @@ class MemoryStateStore(GatewayStateStore):
         self._forget(reservation.request_id)
         ledger = self._ledgers.get(reservation.pool)
         if ledger is None:
+            self.quotas.settle(reservation.request_id, prompt_tokens or 0, completion_tokens or 0)
             return ReleaseResult(OUTCOME_UNKNOWN)
         result = ledger.release(reservation.request_id, self.clock.now(), output_tokens=completion_tokens,
                                 prompt_tokens=prompt_tokens)
@@ -137,6 +142,9 @@ class MemoryStateStore(GatewayStateStore):
         return readings
 
     # --- reads ------------------------------------------------------------------------------------------
+
+    async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
+        return [self.quotas.standing(charge) for charge in charges]
 
     async def entitlement_usage(self, *, limits: EntitlementLimits, pool: str) -> EntitlementUsage:
         ledger = self._ledgers.get(pool)

@@ -25,6 +25,7 @@ import math
 import random
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,16 @@ from apps.policy import (
     admit,
 )
 from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, Reason
-from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
+from apps.policy.ledger import (
+    OUTCOME_CANCELLED,
+    OUTCOME_COMPLETED,
+    RUNNING,
+    WAITING,
+    ReleaseResult,
+    quota_refusal,
+)
 from apps.policy.priority import DynamicsConfig
+from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
 from apps.policy.window import WindowFigures, WindowReading, window_reading
 
 logger = logging.getLogger(__name__)
@@ -71,11 +80,13 @@ CAS_BACKOFF_S = 0.0005
 CAS_BACKOFF_CAP_S = 0.05
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
-           "slot_acquire", "slots_renew", "usage_claim", "usage_done")
+           "slot_acquire", "slots_renew", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read")
 
 
 # Entries that only read (Redis may run them anywhere, replicas included).
-READ_ONLY = frozenset({"read"})
+READ_ONLY = frozenset({"read", "quota_read"})
+# A tenant's quota hash outlives the longest window (a month) by a few days.
+QUOTA_TTL_S = 35 * 86400
 
 
 @cache
@@ -227,13 +238,69 @@ class RedisStateStore(GatewayStateStore):
 
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
-        slot: SlotRequest | None = None,
+        slot: SlotRequest | None = None, quota: QuotaClaim | None = None,
     ) -> Offer:
+        verdict = None if quota is None else await self._quota_reserve(quota)
+        if verdict is not None and quota is not None and not verdict.admitted:
+            decision = quota_refusal(verdict, quota)
+            if verdict.standing is None:  # the request id holds a reservation already
+                decision = decision._replace(reason=Reason.INVALID_REQUEST.value, retry_after_s=0.0)
+            return Offer(decision, None, RateView(), REJECTED, quota=verdict.standing)
         lock = self._pool_locks.get(pool.name)
         if lock is None:
             lock = self._pool_locks[pool.name] = asyncio.Lock()
-        async with lock:
-            return await self._offer(limits, pool, request, saturation, slot)
+        try:
+            async with lock:
+                offer = await self._offer(limits, pool, request, saturation, slot)
+        except BaseException:
+            if quota is not None:  # nothing was admitted: the reservation comes back (if Redis answers)
+                with contextlib.suppress(StateStoreUnavailable):
+                    await self._quota_settle(quota.scope, request.request_id, 0, 0)
+            raise
+        if quota is None or verdict is None:
+            return offer
+        if offer.state == REJECTED:
+            await self._quota_settle(quota.scope, request.request_id, 0, 0)
+            standings = await self.quota_standings(scope=quota.scope, charges=quota.charges)
+            return replace(offer, quota=binding(standings))
+        reservation = offer.reservation
+        if reservation is not None:
+            reservation.quota_scope = quota.scope
+        return replace(offer, quota=verdict.standing)
+
+    # --- quotas (one hash per tenant: apps/gateway/lua/quota_*.lua) ------------------------------------
+
+    def _quota_key(self, scope: str) -> str:
+        return f"{self.prefix}{{q:{scope}}}:quota"
+
+    async def _quota_reserve(self, claim: QuotaClaim) -> QuotaVerdict:
+        args: list[Any] = [claim.request_id, claim.input_tokens, claim.max_tokens, QUOTA_TTL_S]
+        for charge in claim.charges:
+            args += [charge.key, repr(float(charge.limit)), charge.window_id, repr(float(charge.seed_used)),
+                     repr(float(charge.input_weight)), repr(float(charge.output_weight))]
+        raw = await self._call("quota_reserve", [self._quota_key(claim.scope)], args)
+        status = int(raw[0])
+        if status == -1:
+            return QuotaVerdict(False)
+        if status == 0:
+            charge = claim.charges[int(raw[1]) - 1]
+            return QuotaVerdict(False, QuotaStanding(charge, _float(raw[2]), _float(raw[3])))
+        standings = [QuotaStanding(charge, _float(raw[1 + 2 * i]), _float(raw[2 + 2 * i]))
+                     for i, charge in enumerate(claim.charges)]
+        return QuotaVerdict(True, binding(standings))
+
+    async def _quota_settle(self, scope: str, request_id: str, input_tokens: float, output_tokens: float) -> None:
+        await self._call("quota_settle", [self._quota_key(scope)],
+                         [request_id, repr(float(input_tokens)), repr(float(output_tokens))])
+
+    async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
+        if not charges:
+            return []
+        args: list[Any] = []
+        for charge in charges:
+            args += [charge.key, charge.window_id, repr(float(charge.seed_used))]
+        raw = await self._call("quota_read", [self._quota_key(scope)], args)
+        return [QuotaStanding(charge, _float(raw[2 * i]), _float(raw[2 * i + 1])) for i, charge in enumerate(charges)]
 
     async def _offer(
         self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float,
@@ -291,7 +358,21 @@ class RedisStateStore(GatewayStateStore):
              "" if usage is None else str(usage.tenant_id), "" if usage is None else str(usage.minute)],
         )
         self._notify(started=raw[1])
-        return ReleaseResult(str(raw[0]), tuple(raw[1]), _float(raw[2]))
+        outcome = str(raw[0])
+        if reservation.quota_scope is not None:
+            # The quota is settled as the ledger settles it: a completed request at its prompt (as counted at
+            # admission unless reported) and its output up to max_tokens (all of it when unknown); a
+            # cancelled one at nothing; one evicted or expired before this release at what it was given.
+            if outcome == OUTCOME_COMPLETED:
+                prompt = reservation.input_tokens if prompt_tokens is None else prompt_tokens
+                output = reservation.max_tokens if completion_tokens is None else min(completion_tokens,
+                                                                                        reservation.max_tokens)
+            elif outcome == OUTCOME_CANCELLED:
+                prompt = output = 0
+            else:
+                prompt, output = prompt_tokens or 0, completion_tokens or 0
+            await self._quota_settle(reservation.quota_scope, reservation.request_id, prompt, output)
+        return ReleaseResult(outcome, tuple(raw[1]), _float(raw[2]))
 
     async def evict(self, *, pool: str, request_id: str) -> ReleaseResult:
         raw = await self._call("evict", [self._base(pool)], [self._now(), request_id])

@@ -12,11 +12,11 @@ from typing import Any
 from django.db.models import Count, Max, Q
 
 from apps.pools.models import Replica, TokenEntitlement, TokenPool
-from apps.tenancy.models import ApiKey
+from apps.tenancy.models import ApiKey, Tenant
 
 
 def gateway_change_marker() -> tuple[Any, ...]:
-    """A value that moves whenever anything the snapshot holds changes (four aggregate queries).
+    """A value that moves whenever anything the snapshot holds changes (six aggregate queries).
 
     Counts catch deletions, max ids catch inserts, timestamps catch edits; a replica toggled off
     while another is toggled on would keep the counts, so the enabled ids are summed as well.
@@ -29,13 +29,14 @@ def gateway_change_marker() -> tuple[Any, ...]:
         n=Count("id"), top=Max("id"), updated=Max("updated_at"), changed=Max("state_changed_at")
     )
     pools = TokenPool.objects.aggregate(n=Count("id"), top=Max("id"), updated=Max("updated_at"))
+    tenants = Tenant.objects.aggregate(n=Count("id"), updated=Max("updated_at"))
     replicas = Replica.objects.aggregate(
         n=Count("id"), top=Max("id"), enabled=Count("id", filter=Q(enabled=True))
     )
     enabled_ids = sum(Replica.objects.filter(enabled=True).values_list("id", flat=True))
     return tuple(keys.values()) + tuple(ents.values()) + tuple(pools.values()) + tuple(replicas.values()) + (
         enabled_ids,
-    )
+    ) + tuple(tenants.values())
 
 
 def gateway_active_keys() -> list[ApiKey]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime as dt
 import hashlib
 import logging
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 from apps.gateway.config import GatewayConfig
 from apps.policy import EntitlementLimits, EntitlementState, ServiceClass
+from apps.policy.quota import QuotaRule
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class KeyEntry:
     key_expires_at: float | None = None
     entitlement_expires_at: float | None = None
     expired_limits: EntitlementLimits | None = None
+    # The entitlement's quota and its tenant's, with what their windows had used at load time.
+    quotas: tuple[QuotaRule, ...] = ()
 
     @property
     def entitlement(self) -> str:
@@ -110,6 +114,7 @@ def entitlement_limits(
 
 def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
     """Build a snapshot from the ORM (blocking; call it from a thread in async code)."""
+    from apps.gateway.quotas import QuotaRules
     from apps.gateway.selectors import gateway_active_keys, gateway_pools
 
     pools: dict[str, PoolInfo] = {}
@@ -146,6 +151,8 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
             entitlements=tuple(limits_by_name[pool.name].values()),
         )
     keys: dict[str, KeyEntry] = {}
+    quota_rules = QuotaRules(dt.datetime.now(dt.UTC))
+    rules_by_entitlement: dict[int, tuple[QuotaRule, ...]] = {}
     for key in gateway_active_keys():
         ent = key.entitlement
         pool_info = pools.get(ent.pool.name)
@@ -166,12 +173,19 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
             key_expires_at=_epoch(key.expires_at),
             entitlement_expires_at=_epoch(ent.expires_at),
             expired_limits=replace(limits, state=EntitlementState.EXPIRED) if ent.expires_at else None,
+            quotas=_rules_of(ent, quota_rules, rules_by_entitlement),
         )
     models: dict[str, PoolInfo] = {}
     for pool_info in pools.values():
         models.setdefault(pool_info.model_name, pool_info)
     return Snapshot(keys=MappingProxyType(keys), pools=MappingProxyType(pools), version=version,
                     models=MappingProxyType(models))
+
+
+def _rules_of(ent: Any, rules: Any, by_entitlement: dict[int, tuple[QuotaRule, ...]]) -> tuple[QuotaRule, ...]:
+    if ent.pk not in by_entitlement:
+        by_entitlement[ent.pk] = rules.for_entitlement(ent)
+    return by_entitlement[ent.pk]
 
 
 # Bumped by the model signal receivers (apps.gateway.signals) so this process reloads at once.

@@ -30,6 +30,7 @@ from apps.policy import (
 )
 from apps.policy.admission import DEFAULT_ADMISSION_CONFIG
 from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
+from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding
 from apps.policy.window import WindowReading
 
 REJECTED = "rejected"
@@ -60,6 +61,8 @@ class Reservation:
     evictable: bool
     # False when admitted without accounting (fail open while the store was unreachable).
     accounted: bool = True
+    # Whose quotas the request reserved against (`QuotaClaim.scope`); None: no quota applies.
+    quota_scope: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ class Offer:
     evicted: tuple[str, ...] = ()
     # A shared store took the request's slot of the pool budget along with the reservation (`SlotRequest`).
     slot_taken: bool = False
+    # The binding quota after the offer (the x-tokenpools-quota-* headers); None: no quota applies.
+    quota: QuotaStanding | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,11 +138,12 @@ def rate_view(limits: EntitlementLimits, in_flight: int, tokens_available: float
 
 
 def reservation_for(limits: EntitlementLimits, pool: str, request: AdmissionRequest,
-                    decision: AdmissionDecision) -> Reservation:
+                    decision: AdmissionDecision, quota: QuotaClaim | None = None) -> Reservation:
     return Reservation(
         request_id=request.request_id, entitlement=limits.entitlement_id, pool=pool,
         token_cost=decision.token_cost, kv_bytes=decision.kv_bytes, priority=decision.priority,
         max_tokens=decision.max_tokens, input_tokens=request.input_tokens, evictable=limits.traits.evictable,
+        quota_scope=None if quota is None else quota.scope,
     )
 
 
@@ -165,9 +171,10 @@ class GatewayStateStore(ABC):
     @abstractmethod
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
-        slot: SlotRequest | None = None,
+        slot: SlotRequest | None = None, quota: QuotaClaim | None = None,
     ) -> Offer:
-        """Run the ordered checks and start, queue or reject the request (with its evictions)."""
+        """Reserve the request's quota, run the ordered checks and start, queue or reject the request (with
+        its evictions); a rejection refunds the quota."""
 
     @abstractmethod
     async def release(
@@ -176,7 +183,12 @@ class GatewayStateStore(ABC):
     ) -> ReleaseResult:
         """Complete a running request (refunding what it did not use) or cancel a waiting one; the outcome
         is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already. A store
-        that `records_usage` counts the tokens served under `usage` in the same step."""
+        that `records_usage` counts the tokens served under `usage` in the same step. The request's quota
+        reservation is settled at what it used (given prompt, or as counted at admission, plus output)."""
+
+    @abstractmethod
+    async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
+        """Where each of a scope's quotas stands in the charge's window (nothing reserved)."""
 
     @abstractmethod
     async def expire(self, *, pool: str) -> list[str]:

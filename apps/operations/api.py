@@ -21,7 +21,7 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from apps.operations.serializers import ApiKeyCreatedSerializer, ApiKeySerializer
-from apps.operations.tenants import tenant_delete
+from apps.operations.tenants import tenant_delete, tenant_save
 from apps.tenancy import selectors as tenancy_selectors
 from apps.tenancy import services as tenancy_services
 from apps.tenancy.apiutils import NAME_IN_PATH, call_service
@@ -45,14 +45,11 @@ class TenantViewSet(viewsets.ModelViewSet):
         return tenancy_selectors.tenant_get(user=self.request.user, slug=self.kwargs["slug"])
 
     def perform_create(self, serializer: BaseSerializer[Tenant]) -> None:
-        serializer.instance = call_service(
-            tenancy_services.tenant_create, actor=self.request.user, **serializer.validated_data
-        )
+        serializer.instance = call_service(tenant_save, actor=self.request.user, **serializer.validated_data)
 
     def perform_update(self, serializer: BaseSerializer[Tenant]) -> None:
         serializer.instance = call_service(
-            tenancy_services.tenant_update, actor=self.request.user, tenant=serializer.instance,
-            **serializer.validated_data,
+            tenant_save, actor=self.request.user, tenant=serializer.instance, **serializer.validated_data,
         )
 
     def perform_destroy(self, instance: Any) -> None:

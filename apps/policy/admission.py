@@ -68,6 +68,7 @@ class Reason(enum.StrEnum):
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
     KV_CACHE_LIMIT_EXCEEDED = "kv_cache_limit_exceeded"
     POOL_CONTENDED = "pool_contended"
+    QUOTA_EXCEEDED = "quota_exceeded"
 
 
 # Rejections that describe scarcity (the caller wanted capacity and did not get it); these count
@@ -312,6 +313,21 @@ def request_priority(
         / (1.0 + config.alpha_burst * burst)
         * debt_factor
     )
+
+
+
+def resolved_max_tokens(limits: EntitlementLimits, request: AdmissionRequest) -> int | None:
+    """The output bound check (2) will charge: the request's own `max_tokens` or the entitlement's default
+    clipped to what the context leaves; None for a request check (2) rejects (nothing to charge)."""
+    n_in, context = request.input_tokens, limits.context_window
+    if isinstance(n_in, bool) or not isinstance(n_in, int) or not 0 <= n_in < context:
+        return None
+    max_tokens = request.max_tokens
+    if max_tokens is None:
+        return min(limits.default_max_tokens, context - n_in)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1 or n_in + max_tokens > context:
+        return None
+    return max_tokens
 
 
 def admit(

@@ -11,6 +11,11 @@ Every request offered ends in exactly one outcome:
               ├──────> expired                           (waited `wait_timeout_s`, the acquire timeout)
               └──────> cancelled                         (the client went away; the whole charge refunded)
 
+A request under quotas (`apps.policy.quota`) first reserves its prompt plus `max_tokens` in the shared
+`QuotaBook` (refused: rejected with quota_exceeded, before the five checks); the reservation is refunded
+when the request is rejected, expires or is cancelled, and settled at the tokens really used on release
+(for an evicted request too: its release comes after the eviction).
+
 Alongside, per entitlement, the served/demand window (`apps.policy.window`) that the EWMA tick turns
 into debt (2) and burst (3).
 
@@ -46,6 +51,7 @@ from apps.policy.bucket import TokenBucket
 from apps.policy.errors import PolicyConfigError, require_non_negative
 from apps.policy.ledger_records import RUNNING, WAITING, EntitlementRecord, RequestRecord, check_invariants
 from apps.policy.priority import Dynamics, DynamicsConfig
+from apps.policy.quota import QuotaBook, QuotaClaim, QuotaVerdict
 from apps.policy.window import MIN_TICK_WINDOW_S, WindowReading, window_reading
 
 OUTCOME_REJECTED = "rejected"
@@ -80,6 +86,8 @@ class LedgerResult:
     decision: AdmissionDecision
     started: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
+    # Where the request's quotas stand after the offer (None: no quota applies).
+    quota: QuotaVerdict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,17 +110,25 @@ class LedgerCounters:
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
-def used_tokens(record: RequestRecord, output_tokens: float | None, prompt_tokens: float | None) -> float:
+def quota_refusal(verdict: QuotaVerdict, claim: QuotaClaim) -> AdmissionDecision:
+    """The rejection of a request its quota cannot fit: not retryable before the window resets."""
+    return AdmissionDecision(False, Reason.QUOTA_EXCEEDED.value, verdict.retry_after_s(claim.issued_at),
+                             retryable=False)
+
+
+def _count(value: float | None, default: int) -> int:
+    """A token count as reported (None or NaN: the default; never negative)."""
+    if isinstance(value, int | float) and value == value:
+        return int(max(value, 0))
+    return default
+
+
+def used_parts(record: RequestRecord, output_tokens: float | None, prompt_tokens: float | None) -> tuple[int, int]:
     """What a finished request consumed of its charge: the prompt (as counted at admission unless the
-    backend reported it) plus the output produced, clamped to `max_tokens`. A missing or NaN output
+    backend reported it) and the output produced, clamped to `max_tokens`. A missing or NaN output
     count is taken as the whole `max_tokens` (nothing is refunded on a guess)."""
-    produced = record.max_tokens
-    if isinstance(output_tokens, int | float) and output_tokens == output_tokens:
-        produced = int(min(max(output_tokens, 0), record.max_tokens))
-    prompt = record.input_tokens
-    if isinstance(prompt_tokens, int | float) and prompt_tokens == prompt_tokens:
-        prompt = int(max(prompt_tokens, 0))
-    return float(prompt + produced)
+    produced = min(_count(output_tokens, record.max_tokens), record.max_tokens)
+    return _count(prompt_tokens, record.input_tokens), produced
 
 
 class AdmissionLedger:
@@ -127,6 +143,7 @@ class AdmissionLedger:
         rng: random.Random | None = None,
         retry_jitter: float = 0.0,
         now: float = 0.0,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self._check_capacity(concurrency_capacity, kv_capacity)
         self.concurrency_capacity = concurrency_capacity
@@ -145,6 +162,8 @@ class AdmissionLedger:
         self.evictable_running = 0
         self.evictable_kv = 0.0
         self.counters = LedgerCounters()
+        # Quotas span pools (a tenant's budget covers all its entitlements): the book may be shared.
+        self.quotas = quotas if quotas is not None else QuotaBook()
         self._entitlements: dict[str, EntitlementRecord] = {}
         self._requests: dict[str, RequestRecord] = {}
         self._priority_counts: dict[float, int] = {}
@@ -315,14 +334,36 @@ class AdmissionLedger:
     # -- the request lifecycle -----------------------------------------------------------------
 
     def request(
-        self, entitlement_id: str, request: AdmissionRequest, now: float, limits: EntitlementLimits | None = None
+        self, entitlement_id: str, request: AdmissionRequest, now: float, limits: EntitlementLimits | None = None,
+        quota: QuotaClaim | None = None,
     ) -> LedgerResult:
-        """Offer a request: run the checks, then charge, start, queue or reject it.
+        """Offer a request: reserve its quota, run the checks, then charge, start, queue or reject it.
 
         `limits`, when given, are the entitlement's limits as the caller sees them now (the gateway's
         snapshot, with the backend's context window); they replace the stored ones first."""
         counters = self.counters
         counters.offered += 1
+        if request.request_id in self._requests:
+            return self._rejected(
+                None, AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
+                                        retryable=False, check=0)
+            )
+        if quota is None:
+            return self._offer(entitlement_id, request, now, limits)
+        verdict = self.quotas.reserve(quota)
+        if not verdict.admitted:
+            rejected = self._rejected(None, quota_refusal(verdict, quota))
+            return LedgerResult(rejected.decision, quota=verdict)
+        result = self._offer(entitlement_id, request, now, limits)
+        if not (result.decision.admitted or result.decision.queued):
+            self.quotas.refund(request.request_id)
+            verdict = self.quotas.verdict(quota)
+        return LedgerResult(result.decision, result.started, result.evicted, verdict)
+
+    def _offer(
+        self, entitlement_id: str, request: AdmissionRequest, now: float, limits: EntitlementLimits | None
+    ) -> LedgerResult:
+        counters = self.counters
         record = self._entitlements.get(entitlement_id)
         if limits is not None and (record is None or (limits is not record.limits and limits != record.limits)):
             self.upsert_entitlement(limits, now)
@@ -331,11 +372,6 @@ class AdmissionLedger:
             return self._rejected(
                 None, AdmissionDecision(False, Reason.ENTITLEMENT_NOT_BOUND.value, self.config.never_retry_s,
                                         retryable=False, check=1)
-            )
-        if request.request_id in self._requests:
-            return self._rejected(
-                None, AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
-                                        retryable=False, check=0)
             )
         decision = admit(record.limits, self.usage(entitlement_id, now), self.pool_usage(), request, self.config)
         if not decision.admitted and not decision.queued:
@@ -372,15 +408,19 @@ class AdmissionLedger:
         """Completion callback: free the slot and KV, refund the unused charge, start waiters.
 
         Releasing a waiting request cancels it (client went away) and refunds its whole charge.
-        Unknown ids are ignored (a duplicate callback must not corrupt state)."""
+        Unknown ids change nothing in the pool (a duplicate callback must not corrupt state); the quota
+        of a request evicted before its release is settled here, at what it used."""
         entry = self._requests.get(request_id)
         if entry is None:
+            self.quotas.settle(request_id, _count(prompt_tokens, 0), _count(output_tokens, 0))
             return ReleaseResult(OUTCOME_UNKNOWN)
         if entry.state == WAITING:
             refunded = self._finish_waiting(entry, now)
             self.counters.cancelled += 1
             return ReleaseResult(OUTCOME_CANCELLED, self._drain(now), refunded)
-        used = used_tokens(entry, output_tokens, prompt_tokens)
+        prompt, produced = used_parts(entry, output_tokens, prompt_tokens)
+        used = float(prompt + produced)
+        self.quotas.settle(request_id, prompt, produced)
         refund = max(0.0, entry.cost - used)
         record = entry.entitlement
         if refund and record.bucket is not None:
@@ -507,6 +547,7 @@ class AdmissionLedger:
         record.kv_in_flight -= entry.kv
         if record.bucket is not None:
             record.bucket.refund(entry.cost, now)
+        self.quotas.refund(entry.request_id)
         del self._requests[entry.request_id]
         self._compact()
         return float(entry.cost)

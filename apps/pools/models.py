@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator, URLValidator
 from django.db import models
 from django.utils import timezone
 
 from apps.policy import CLASS_TRAITS, ServiceClass
 from apps.policy.classes import Baseline, Shrink
+from apps.tenancy.quota import CURRENCY, QuotaFields
 
 GIB = 1024**3
 
@@ -101,12 +103,32 @@ class TokenPool(models.Model):
     desired_replicas = models.PositiveIntegerField(null=True, blank=True)
     desired_replicas_reason = models.CharField(max_length=300, blank=True, default="")
     desired_replicas_at = models.DateTimeField(null=True, blank=True)
+    # Prices per million tokens: usage is reported as spend, and money quotas are converted at them.
+    price_input_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True,
+                                                  validators=[MinValueValidator(Decimal(0))])
+    price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True,
+                                                   validators=[MinValueValidator(Decimal(0))])
+    price_currency = models.CharField(max_length=3, blank=True, default="")
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def has_prices(self) -> bool:
+        return self.price_input_per_million is not None and self.price_output_per_million is not None
+
+    def clean(self) -> None:
+        super().clean()
+        given = [self.price_input_per_million is not None, self.price_output_per_million is not None,
+                 bool(self.price_currency)]
+        if any(given) and not all(given):
+            raise ValidationError({"price_currency": ["prices need all three: input and output per million "
+                                                      "tokens and a currency"]})
+        if self.price_currency and not CURRENCY.match(self.price_currency):
+            raise ValidationError({"price_currency": ["three capital letters (ISO 4217), e.g. USD"]})
 
     @property
     def kv_cache_bytes_per_replica(self) -> int:
@@ -190,7 +212,7 @@ class EntitlementState(models.TextChoices):
     EXPIRED = "Expired", "Expired"
 
 
-class TokenEntitlement(models.Model):
+class TokenEntitlement(QuotaFields, models.Model):
     name = models.CharField(max_length=253, unique=True, validators=[name_validator])
     tenant = models.ForeignKey("tenancy.Tenant", on_delete=models.CASCADE, related_name="entitlements")
     # PROTECT: a pool with entitlements cannot vanish under them; delete the entitlements first.

@@ -71,8 +71,9 @@ class PoolSerializer(serializers.ModelSerializer):
             "name", "model_name", "backend_kind", "replicas", "min_replicas", "max_replicas",
             "slots_per_replica", "tokens_per_second_per_replica", "kv_cache_gib_per_replica",
             "kv_cache_bytes_per_replica", "kv_layers", "kv_heads", "head_dim", "bytes_per_element",
-            "bytes_per_token", "usage", "measured_capacity", "desired_replicas", "desired_replicas_reason",
-            "desired_replicas_at", "created_at", "updated_at",
+            "bytes_per_token", "price_input_per_million", "price_output_per_million", "price_currency", "usage",
+            "measured_capacity", "desired_replicas", "desired_replicas_reason", "desired_replicas_at", "created_at",
+            "updated_at",
         ]
         read_only_fields = ["created_at", "updated_at", "desired_replicas_reason", "desired_replicas_at"]
         # Types only here; ranges, uniqueness and cross-field rules are the service's (one source of truth).
@@ -120,8 +121,9 @@ class EntitlementSerializer(serializers.ModelSerializer):
         model = TokenEntitlement
         fields = [
             "name", "tenant", "pool", "service_class", "weight", "slo_target_ms", "tokens_per_second",
-            "kv_cache_gib", "concurrency", "default_max_tokens", "queue_max", "expires_at", "state",
-            "state_reason", "state_changed_at", "created_at", "updated_at",
+            "kv_cache_gib", "concurrency", "default_max_tokens", "queue_max", "expires_at", "quota_tokens",
+            "quota_amount", "quota_currency", "quota_window", "quota_timezone", "state", "state_reason",
+            "state_changed_at", "created_at", "updated_at",
         ]
         read_only_fields = ["state", "state_reason", "state_changed_at", "created_at", "updated_at"]
         extra_kwargs = {

@@ -58,7 +58,11 @@ POOL_FIELDS = (
     "kv_heads",
     "head_dim",
     "bytes_per_element",
+    "price_input_per_million",
+    "price_output_per_million",
+    "price_currency",
 )
+QUOTA_FIELDS = ("quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone")
 ENTITLEMENT_FIELDS = (
     "pool",
     "service_class",
@@ -69,6 +73,7 @@ ENTITLEMENT_FIELDS = (
     "default_max_tokens",
     "queue_max",
     "expires_at",
+    *QUOTA_FIELDS,
 )
 # Pool fields that change capacity, so that editing them re-evaluates the pool's entitlements.
 CAPACITY_FIELDS = frozenset({"slots_per_replica", "tokens_per_second_per_replica", "kv_cache_gib_per_replica"})
@@ -215,8 +220,27 @@ def _check_pool(pool: TokenPool, replicas: Sequence[Mapping[str, Any]] | None) -
         errors.setdefault("min_replicas", []).append("must not exceed max_replicas")
     if replicas is not None and isinstance(pool.max_replicas, int) and len(replicas) > pool.max_replicas:
         errors.setdefault("replicas", []).append(f"{len(replicas)} replicas listed but max_replicas is {pool.max_replicas}")
+    if pool.pk is not None and "price_currency" not in errors:
+        # Money quotas of the pool's entitlements (and of their tenants) are priced here.
+        for ent in pool.entitlements.select_related("tenant"):
+            for owner, what in ((ent, f"entitlement {ent.name!r}"), (ent.tenant, f"tenant {ent.tenant.slug!r}")):
+                problem = money_quota_problem(owner, pool, what)
+                if problem:
+                    errors.setdefault("price_currency", []).append(problem)
     if errors:
         raise ValidationError(errors)
+
+
+def money_quota_problem(owner: Any, pool: TokenPool, what: str) -> str | None:
+    """Why `owner`'s money quota cannot be priced at `pool`'s prices, or None (no money quota, or fine)."""
+    if not owner.quota_is_money:
+        return None
+    if not pool.has_prices:
+        return f"{what} has a quota in {owner.quota_currency} but pool {pool.name!r} has no prices"
+    if pool.price_currency != owner.quota_currency:
+        return (f"{what} has a quota in {owner.quota_currency} but pool {pool.name!r} is priced in "
+                f"{pool.price_currency}")
+    return None
 
 
 def _replace_replicas(pool: TokenPool, replicas: list[dict[str, Any]]) -> None:
@@ -244,6 +268,9 @@ def pool_create(
     max_replicas: int = 1,
     replicas: Iterable[Mapping[str, Any]] = (),
     now: datetime | None = None,
+    price_input_per_million: Decimal | None = None,
+    price_output_per_million: Decimal | None = None,
+    price_currency: str = "",
 ) -> TokenPool:
     """Create a pool with its replicas (each ``{"url": ..., "enabled": bool}``); superusers only."""
     require_superuser(actor, "manage pools")
@@ -262,6 +289,9 @@ def pool_create(
         kv_heads=kv_heads,
         head_dim=head_dim,
         bytes_per_element=bytes_per_element,
+        price_input_per_million=price_input_per_million,
+        price_output_per_million=price_output_per_million,
+        price_currency=price_currency,
         created_at=now,
         updated_at=now,
     )
@@ -360,6 +390,10 @@ def _check_entitlement(ent: TokenEntitlement) -> None:
         ent.full_clean(exclude=["state", "state_reason", "state_changed_at"])
     except ValidationError as exc:
         raise ValidationError(exc.message_dict) from exc
+    for owner, field, what in ((ent, "quota_amount", "this entitlement"), (ent.tenant, "pool", "its tenant")):
+        problem = money_quota_problem(owner, ent.pool, what)
+        if problem:
+            raise ValidationError({field: [problem]})
 
 
 @transaction.atomic
@@ -378,15 +412,21 @@ def entitlement_create(
     queue_max: int | None = None,
     expires_at: datetime | None = None,
     now: datetime | None = None,
+    **quota: Any,
 ) -> TokenEntitlement:
-    """Create an entitlement (owners of ``tenant`` and superusers) and bind it at once.
+    """Create an entitlement (owners of ``tenant`` and superusers) and bind it at once; ``quota`` takes
+    the ``QUOTA_FIELDS``.
 
     It is written Pending, then the pool is locked and evaluated, so it leaves as Bound, Degraded or
     Expired, with both transitions in its history.
     """
     require_owner(actor, tenant, "create entitlements")
+    unknown = set(quota) - set(QUOTA_FIELDS)
+    if unknown:
+        raise ValidationError({name: ["unknown or read-only field"] for name in sorted(unknown)})
     now = now or timezone.now()
     ent = TokenEntitlement(
+        **quota,
         name=name,
         tenant=tenant,
         pool=pool,

@@ -206,6 +206,8 @@ class TokenPoolsAdmission:
             victim = self.live.pop(evicted, None)
             if victim is not None:
                 self.cluster.evict(victim, "evicted")
+                # As the gateway does once the victim's stream is cut: settles its quota, if any.
+                self.ledger.release(evicted, now, victim.generated)
         if decision.admitted:
             self.live[key] = request
             self._collect(tuple(s for s in result.started if s != key))

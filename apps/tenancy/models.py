@@ -19,16 +19,22 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
+from apps.tenancy.quota import QuotaFields
+
 slug_validator = RegexValidator(
     r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
     "Use lowercase letters, digits and inner hyphens (DNS label style, at most 63 characters).",
 )
 
 
-class Tenant(models.Model):
+class Tenant(QuotaFields, models.Model):
+    """A customer of the platform. Its quota (`QuotaFields`), if any, is shared by all its entitlements."""
+
     name = models.CharField(max_length=200)
     slug = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     created_at = models.DateTimeField(default=timezone.now, editable=False)
+    # Moves on every save: the gateways reload their snapshot when a tenant's quota changes.
+    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["slug"]

@@ -24,7 +24,8 @@ class TenantSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Tenant
-        fields = ["slug", "name", "my_role", "created_at"]
+        fields = ["slug", "name", "my_role", "quota_tokens", "quota_amount", "quota_currency", "quota_window",
+                  "quota_timezone", "created_at"]
         read_only_fields = ["created_at"]
         extra_kwargs: dict[str, dict[str, Any]] = {"slug": {"validators": []}}  # the service checks uniqueness, in its transaction
 

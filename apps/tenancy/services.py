@@ -40,24 +40,40 @@ def _full_clean(obj: Any, exclude: list[str] | None = None) -> None:
 # --- tenants -----------------------------------------------------------------------------------------
 
 
+TENANT_QUOTA_FIELDS = ("quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone")
+
+
+def _unknown_quota_fields(quota: dict[str, Any]) -> None:
+    unknown = set(quota) - set(TENANT_QUOTA_FIELDS)
+    if unknown:
+        raise ValidationError({name: ["unknown or read-only field"] for name in sorted(unknown)})
+
+
 @transaction.atomic
-def tenant_create(*, actor: AnyUser, name: str, slug: str) -> Tenant:
-    """Create a tenant (superusers only). Raises ValidationError on a bad or duplicate slug."""
+def tenant_create(*, actor: AnyUser, name: str, slug: str, **quota: Any) -> Tenant:
+    """Create a tenant (superusers only), with its quota (``TENANT_QUOTA_FIELDS``) if given. Raises
+    ValidationError on a bad or duplicate slug or a bad quota. A money quota must also be priceable at the
+    pools of the tenant's entitlements: `apps.operations.tenants.tenant_save` checks that."""
     require_superuser(actor, "create tenants")
-    tenant = Tenant(name=name, slug=slug)
+    _unknown_quota_fields(quota)
+    tenant = Tenant(name=name, slug=slug, **quota)
     _full_clean(tenant)
     tenant.save()
     return tenant
 
 
 @transaction.atomic
-def tenant_update(*, actor: AnyUser, tenant: Tenant, name: str | None = None, slug: str | None = None) -> Tenant:
-    """Rename a tenant or change its slug (superusers only)."""
+def tenant_update(*, actor: AnyUser, tenant: Tenant, name: str | None = None, slug: str | None = None,
+                  **quota: Any) -> Tenant:
+    """Rename a tenant, change its slug or its quota (superusers only)."""
     require_superuser(actor, "change tenants")
+    _unknown_quota_fields(quota)
     if name is not None:
         tenant.name = name
     if slug is not None:
         tenant.slug = slug
+    for field, value in quota.items():
+        setattr(tenant, field, value)
     _full_clean(tenant)
     tenant.save()
     return tenant

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from typing import Any
 
 from apps.gateway.memory_state import MemoryStateStore
@@ -13,13 +13,17 @@ from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import GatewayStateStore, Reservation
 from apps.policy import AdmissionDecision, AdmissionLedger, AdmissionRequest, EntitlementState, ManualClock
+from apps.policy.admission import resolved_max_tokens
+from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding
 from apps.policy.window import WindowReading
 from tests.conformance.scenarios import (
     CONFIG,
     Cancel,
     Complete,
     Expire,
+    NewWindow,
     Offer,
+    QuotaState,
     Scenario,
     Tick,
     Usage,
@@ -46,6 +50,36 @@ def decision_figures(decision: AdmissionDecision) -> dict[str, Any]:
             "token_cost": decision.token_cost, "kv_bytes": decision.kv_bytes, "evict": decision.evict}
 
 
+def standing_figures(standing: QuotaStanding | None) -> tuple[str, float, float] | None:
+    return None if standing is None else (standing.charge.key, standing.used, standing.reserved)
+
+
+class Quotas:
+    """The scenario's quotas as the gateway claims them: per entitlement, in the current window."""
+
+    SCOPE = "tenant-1"
+
+    def __init__(self, scenario: Scenario, clock: ManualClock) -> None:
+        self.clock = clock
+        self.charges = dict(scenario.quotas)
+        self.limits = {limits.entitlement_id: limits for limits in scenario.entitlements}
+
+    def claim(self, step: Offer) -> QuotaClaim | None:
+        charges = self.charges.get(step.ent)
+        request = AdmissionRequest(step.rid, step.input_tokens, step.max_tokens)
+        max_tokens = resolved_max_tokens(self.limits[step.ent], request)
+        if not charges or max_tokens is None:
+            return None
+        return QuotaClaim(step.rid, step.input_tokens, max_tokens, charges, self.clock.now(), scope=self.SCOPE)
+
+    def roll(self, window_id: str) -> None:
+        self.charges = {name: tuple(replace(c, window_id=window_id, seed_used=0.0) for c in charges)
+                        for name, charges in self.charges.items()}
+
+    def charge(self, key: str) -> QuotaCharge:
+        return next(c for charges in self.charges.values() for c in charges if c.key == key)
+
+
 def tick_figures(readings: Mapping[str, WindowReading]) -> dict[str, Any]:
     """Debt and burst, and the served and demanded rates they came from (the window's figures)."""
     return {
@@ -66,6 +100,7 @@ class LedgerDriver:
                                       mean_slo_ms=scenario.pool.mean_slo_ms, config=CONFIG, now=clock.now())
         for limits in scenario.entitlements:
             self.ledger.upsert_entitlement(limits, clock.now())
+        self.quotas = Quotas(scenario, clock)
 
     async def stop(self) -> None:
         self.ledger.check_invariants()
@@ -73,16 +108,27 @@ class LedgerDriver:
     async def run(self, step: Any) -> dict[str, Any]:
         now, ledger = self.clock.now(), self.ledger
         if isinstance(step, Offer):
-            result = ledger.request(step.ent, AdmissionRequest(step.rid, step.input_tokens, step.max_tokens), now)
+            result = ledger.request(step.ent, AdmissionRequest(step.rid, step.input_tokens, step.max_tokens), now,
+                                    quota=self.quotas.claim(step))
             return {"state": ledger.request_state(step.rid) or "rejected", "started": result.started,
-                    "evicted": result.evicted, **decision_figures(result.decision)}
+                    "evicted": result.evicted, **decision_figures(result.decision),
+                    "quota": standing_figures(None if result.quota is None else result.quota.standing)}
+        if isinstance(step, NewWindow):
+            self.quotas.roll(step.window_id)
+            return {}
+        if isinstance(step, QuotaState):
+            standing = ledger.quotas.standing(self.quotas.charge(step.key))
+            return {"used": standing.used, "reserved": standing.reserved}
         if isinstance(step, Complete | Cancel):
             output = step.output if isinstance(step, Complete) else None
             prompt = step.prompt if isinstance(step, Complete) else None
             released = ledger.release(step.rid, now, output_tokens=output, prompt_tokens=prompt)
             return {"outcome": released.outcome, "started": released.started, "refund": released.refunded_tokens}
         if isinstance(step, Expire):
-            return {"expired": tuple(ledger.expire_waiting(now))}
+            expired = tuple(ledger.expire_waiting(now))
+            for rid in expired:  # the gateway releases an expired waiter too (a no-op for the ledger)
+                ledger.release(rid, now, output_tokens=0, prompt_tokens=0)
+            return {"expired": expired}
         if isinstance(step, Tick):
             return tick_figures(ledger.tick_readings(now) or {})
         if isinstance(step, Usage):
@@ -110,6 +156,7 @@ class StoreDriver:
         self.pool = pool_info(scenario)
         self.limits = {limits.entitlement_id: limits for limits in scenario.entitlements}
         self.reservations: dict[str, Reservation] = {}
+        self.quotas = Quotas(scenario, clock)
         await self.store.sync_pool(pool=self.pool)
 
     async def stop(self) -> None:
@@ -119,11 +166,18 @@ class StoreDriver:
         store = self.store
         if isinstance(step, Offer):
             offer = await store.offer(limits=self.limits[step.ent], pool=self.pool,
-                                      request=AdmissionRequest(step.rid, step.input_tokens, step.max_tokens))
+                                      request=AdmissionRequest(step.rid, step.input_tokens, step.max_tokens),
+                                      quota=self.quotas.claim(step))
             if offer.reservation is not None:
                 self.reservations[step.rid] = offer.reservation
             return {"state": offer.state, "started": offer.started, "evicted": offer.evicted,
-                    **decision_figures(offer.decision)}
+                    **decision_figures(offer.decision), "quota": standing_figures(offer.quota)}
+        if isinstance(step, NewWindow):
+            self.quotas.roll(step.window_id)
+            return {}
+        if isinstance(step, QuotaState):
+            [standing] = await store.quota_standings(scope=Quotas.SCOPE, charges=[self.quotas.charge(step.key)])
+            return {"used": standing.used, "reserved": standing.reserved}
         if isinstance(step, Complete | Cancel):
             reservation = self.reservations[step.rid]
             if isinstance(step, Complete):
@@ -133,7 +187,10 @@ class StoreDriver:
                 released = await store.release(reservation=reservation)
             return {"outcome": released.outcome, "started": released.started, "refund": released.refunded_tokens}
         if isinstance(step, Expire):
-            return {"expired": tuple(await store.expire(pool=POOL))}
+            expired = tuple(await store.expire(pool=POOL))
+            for rid in expired:  # as the gateway does: a waiter that expired is released with nothing used
+                await store.release(reservation=self.reservations[rid], prompt_tokens=0, completion_tokens=0)
+            return {"expired": expired}
         if isinstance(step, Tick):
             return tick_figures(await store.tick(entitlements={POOL: self.scenario.entitlements}))
         if isinstance(step, Usage):

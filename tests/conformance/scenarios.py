@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apps.policy import AdmissionConfig, EntitlementLimits
+from apps.policy.quota import QuotaCharge
 
 CONFIG = AdmissionConfig(wait_timeout_s=1.0, max_evictions_per_request=4)
 
@@ -83,13 +84,35 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class NewWindow:
+    """The quotas' calendar window rolls over: every charge names `window_id` from now on."""
+
+    window_id: str
+
+
+@dataclass(frozen=True)
+class QuotaState:
+    """Where one quota stands (its used and reserved amounts)."""
+
+    key: str
+    used: float | None = None
+    reserved: float | None = None
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     pool: Pool
     entitlements: tuple[EntitlementLimits, ...]
     steps: tuple[Any, ...]
+    # Entitlement -> the quotas its requests are under (one tenant's: one scope).
+    quotas: tuple[tuple[str, tuple[QuotaCharge, ...]], ...] = ()
     # A check of the whole trace (list of observations), e.g. debt rising then decaying.
     check: Callable[[list[dict[str, Any]]], None] | None = field(default=None, compare=False)
+
+
+def quota(key: str, limit: float, seed: float = 0.0, **weights: float) -> QuotaCharge:
+    return QuotaCharge(key, limit, "w1", reset_at=3600.0, seed_used=seed, **weights)
 
 
 def ent(name: str, service_class: str, **fields: Any) -> EntitlementLimits:
@@ -277,5 +300,77 @@ SCENARIOS: tuple[Scenario, ...] = (
             *(step for second in (4, 5, 6, 7) for step in (At(float(second)), Tick())),
         ),
         check=_debt_rises_then_decays,
+    ),
+    Scenario(
+        "quota: reserve prompt plus max_tokens, refuse what cannot fit, settle the unused, a new window",
+        Pool(slots=8),
+        (ent("chat", "guaranteed", concurrency=8),),
+        (
+            Offer("r1", "chat", 10, 20, expect="running"),
+            Offer("r2", "chat", 10, 20, expect="running"),
+            QuotaState("entitlement:chat", used=5.0, reserved=60.0),
+            Offer("r3", "chat", 10, 40, expect="rejected", reason="quota_exceeded"),
+            Complete("r1", output=5),
+            QuotaState("entitlement:chat", used=20.0, reserved=30.0),
+            Offer("r4", "chat", 10, 40, expect="running"),
+            # the backend reported more than was reserved: a window never counts more than its limit
+            Complete("r4", output=40, prompt=30),
+            QuotaState("entitlement:chat", used=70.0, reserved=30.0),
+            NewWindow("w2"),
+            Offer("r5", "chat", 10, 80, expect="running"),
+            Complete("r2", output=20),
+            QuotaState("entitlement:chat", used=0.0, reserved=90.0),
+            Complete("r5", output=None),
+            QuotaState("entitlement:chat", used=90.0, reserved=0.0),
+        ),
+        quotas=(("chat", (quota("entitlement:chat", 105.0, seed=5.0),)),),
+    ),
+    Scenario(
+        "quota: a tenant's quota is shared; rejected, expired and cancelled requests give theirs back",
+        Pool(slots=1),
+        (ent("cheap", "spot", concurrency=2), ent("batch", "elastic", concurrency=2),
+         ent("chat", "elastic", concurrency=1)),
+        (
+            Offer("s1", "cheap", 10, 20, expect="running"),
+            Offer("w1", "batch", 10, 20, expect="waiting"),
+            Offer("w2", "batch", 10, 20, expect="waiting"),
+            # each reserves 10 x 2 + 20 x 3 = 80 of the tenant's 300 (priced: input 2, output 3 per token)
+            QuotaState("tenant", used=0.0, reserved=240.0),
+            # over the tenant's quota (240 + 80 > 300) though the entitlement's own has room
+            Offer("c1", "chat", 10, 20, expect="rejected", reason="quota_exceeded"),
+            Cancel("w2"),
+            QuotaState("tenant", reserved=160.0),
+            # fits the quota, then the pool says no: the reservation comes back
+            Offer("b3", "cheap", 10, 20, expect="rejected", reason="pool_contended"),
+            QuotaState("tenant", reserved=160.0),
+            At(1.0),
+            Expire(expect=("w1",)),
+            QuotaState("tenant", used=0.0, reserved=80.0),
+            Complete("s1", output=4),
+            QuotaState("tenant", used=32.0, reserved=0.0),
+            QuotaState("entitlement:chat", used=0.0, reserved=0.0),
+        ),
+        quotas=(
+            ("cheap", (quota("tenant", 300.0, input_weight=2.0, output_weight=3.0),)),
+            ("batch", (quota("tenant", 300.0, input_weight=2.0, output_weight=3.0),)),
+            ("chat", (quota("entitlement:chat", 1000.0), quota("tenant", 300.0, input_weight=2.0, output_weight=3.0))),
+        ),
+    ),
+    Scenario(
+        "quota: an evicted request's quota is settled at what it produced when its release comes",
+        Pool(slots=2),
+        (ent("chat", "guaranteed", concurrency=1), ent("cheap", "spot", concurrency=4),
+         ent("scavenger", "preemptible", concurrency=1)),
+        (
+            Offer("s1", "cheap", expect="running"),
+            Offer("p1", "scavenger", 10, 20, expect="running"),
+            Offer("g1", "chat", expect="running", evicted=("p1",)),
+            QuotaState("entitlement:scavenger", used=0.0, reserved=30.0),
+            Complete("p1", output=3, expect="unknown"),
+            QuotaState("entitlement:scavenger", used=3.0, reserved=0.0),
+            Complete("p1", output=3, expect="unknown"),
+            QuotaState("entitlement:scavenger", used=3.0, reserved=0.0),
+        ),
+        quotas=(("scavenger", (quota("entitlement:scavenger", 100.0),)),),
     ),
 )

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.conformance
 
 EXPECTED_FIELDS = {"expect": ("state", "outcome", "expired"), "reason": ("reason",), "started": ("started",),
                    "evicted": ("evicted",), "in_flight": ("in_flight",), "running": ("running",),
-                   "tokens": ("tokens",)}
+                   "tokens": ("tokens",), "used": ("used",), "reserved": ("reserved",)}
 
 
 async def _trace(driver: Any, scenario: Scenario) -> list[dict[str, Any]]:

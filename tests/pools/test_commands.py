@@ -29,12 +29,14 @@ def run(*args: str) -> tuple[str, str]:
 @pytest.mark.django_db
 def test_apply_and_export_commands_round_trip(acme: Any, tmp_path: Path) -> None:
     out, err = run("apply", "-f", str(EXAMPLES / "qwen3-8b.yaml"))
-    assert out.splitlines() == ["TokenPool/qwen3-8b created", "TokenEntitlement/sample-entitlement created"]
-    assert "2 created" in err
+    assert out.splitlines() == ["Tenant/acme updated", "TokenPool/qwen3-8b created",
+                                "TokenEntitlement/sample-entitlement created"]
+    assert "2 created, 1 updated" in err
     target = tmp_path / "export.yaml"
     run("export", "-o", str(target))
     out, _ = run("apply", "-f", str(target))
-    assert out.splitlines() == ["TokenPool/qwen3-8b unchanged", "TokenEntitlement/sample-entitlement unchanged"]
+    assert out.splitlines() == ["Tenant/acme unchanged", "TokenPool/qwen3-8b unchanged",
+                                "TokenEntitlement/sample-entitlement unchanged"]
     out, _ = run("export", "--tenant", "acme")
     assert "sample-entitlement" in out and "qwen3-8b" in out
 
@@ -43,12 +45,12 @@ def test_apply_and_export_commands_round_trip(acme: Any, tmp_path: Path) -> None
 def test_apply_command_refuses_bad_input_with_nonzero_exit(acme: Any, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text((EXAMPLES / "qwen3-8b.yaml").read_text().replace("serviceClass: guaranteed", "serviceClass: gold"))
-    with pytest.raises(CommandError, match=r"bad.yaml, document 1 \(TokenEntitlement 'sample-entitlement'\)"
+    with pytest.raises(CommandError, match=r"bad.yaml, document 2 \(TokenEntitlement 'sample-entitlement'\)"
                                            r": spec.qos.serviceClass: unknown service class 'gold'"):
         run("apply", "-f", str(bad))
     # With several files, the error points at the file and its own document number.
-    with pytest.raises(CommandError, match=r"bad.yaml, document 1 "):
-        run("apply", "-f", str(EXAMPLES / "demo-pool.yaml"), "-f", str(bad))
+    with pytest.raises(CommandError, match=r"bad.yaml, document 2 "):
+        run("apply", "-f", str(EXAMPLES / "demo.yaml"), "-f", str(bad))
     (tmp_path / "broken.yaml").write_text("spec: [")
     with pytest.raises(CommandError, match="malformed YAML"):
         run("apply", "-f", str(tmp_path / "broken.yaml"))
@@ -64,7 +66,7 @@ def test_apply_as_a_member_is_refused(acme: Any, member: Any, tmp_path: Path) ->
     run("apply", "-f", str(EXAMPLES / "qwen3-8b.yaml"))
     text = (EXAMPLES / "qwen3-8b.yaml").read_text().replace("tokensPerSecond: 100", "tokensPerSecond: 50")
     path = tmp_path / "entitlement.yaml"
-    path.write_text(text.split("---", 1)[1])
+    path.write_text(text.split("---")[-1])  # the entitlement alone
     with pytest.raises(CommandError, match="owners"):
         run("apply", "-f", str(path), "--as", "mark")
     with pytest.raises(CommandError, match="no active user"):
@@ -109,7 +111,7 @@ def test_seed_demo_is_idempotent() -> None:
     again, _ = run("seed_demo")
     assert ApiKey.objects.count() == len(secrets)
     assert "tp-" not in again and "already exists" in again
-    assert again.count("unchanged") == 1 + TokenEntitlement.objects.count()
+    assert again.count("unchanged") == 3 + TokenEntitlement.objects.count()  # 2 tenants, the pool, the entitlements
 
 
 @pytest.mark.django_db

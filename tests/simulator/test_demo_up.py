@@ -56,9 +56,8 @@ def seeded(tmp_path: Path) -> Iterator[tuple[dict[str, str], Path, int]]:
     backend_port = free_port()
     examples = work / "examples"
     examples.mkdir()
-    pool = (ROOT / "examples" / "demo-pool.yaml").read_text().replace("127.0.0.1:8100", f"127.0.0.1:{backend_port}")
-    (examples / "demo-pool.yaml").write_text(pool)
-    shutil.copy(ROOT / "examples" / "demo-entitlements.yaml", examples)
+    demo = (ROOT / "examples" / "demo.yaml").read_text().replace("127.0.0.1:8100", f"127.0.0.1:{backend_port}")
+    (examples / "demo.yaml").write_text(demo)
     env = {k: v for k, v in os.environ.items() if k not in {"REDIS_URL", "DJANGO_ALLOW_ASYNC_UNSAFE"}}
     env.update({"DATABASE_URL": f"sqlite:///{work / 'db.sqlite3'}", "TOKENPOOLS_ADMIN_PASSWORD": "demo-pass",
                 "DJANGO_SETTINGS_MODULE": "tokenpools_site.settings"})

@@ -3,7 +3,7 @@
 Creates (only what is missing): the operator superuser ``admin`` (password from the environment variable
 ``TOKENPOOLS_ADMIN_PASSWORD``, else generated and printed once), tenants ``acme`` and ``globex`` with one
 owner each (``acme-owner``, ``globex-owner``; passwords from ``TOKENPOOLS_DEMO_PASSWORD`` or generated and
-printed once), the pool and entitlements of ``examples/demo-*.yaml`` applied through the same apply
+printed once), the tenants, pool and entitlements of ``examples/demo*.yaml`` applied through the same apply
 service as ``manage.py apply``, and one API key per demo entitlement, printed once. A second run creates
 nothing and says so.
 
@@ -41,14 +41,14 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--examples", default=str(Path(settings.BASE_DIR) / "examples"),
-                            help="folder with the demo-*.yaml manifests")
+                            help="folder with the demo*.yaml manifests")
         parser.add_argument("--write-keys", metavar="FILE", default=None,
                             help="local demo only: also write the demo keys as JSON to FILE (mode 0600)")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        files = sorted(Path(options["examples"]).glob("demo-*.yaml"))
+        files = sorted(Path(options["examples"]).glob("demo*.yaml"))
         if not files:
-            raise CommandError(f"no demo-*.yaml manifests in {options['examples']}")
+            raise CommandError(f"no demo*.yaml manifests in {options['examples']}")
         documents: list[Any] = []
         for path in files:
             try:

@@ -26,7 +26,7 @@ from django.core.management.base import BaseCommand, CommandError
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 DEMO_POOL = "demo-pool"
-DEMO_MODEL = "tokenpools/tiny-4l-256"  # examples/demo-pool.yaml's model, when the pool is not in the database
+DEMO_MODEL = "tokenpools/tiny-4l-256"  # examples/demo.yaml's pool's model, when the pool is not in the database
 
 
 def port_free(host: str, port: int) -> bool:

@@ -1,0 +1,56 @@
+"""GitOps manifests: apply and export ``Tenant``, ``TokenPool`` and ``TokenEntitlement`` documents.
+
+``apiVersion: tokenpools.io/v1alpha1``. The entitlement is the seed's section 4.2 shape (``tenantId`` is
+a tenant slug) plus optional ``spec.expiresAt``, ``spec.limits.{defaultMaxTokens, queueMax}`` and
+``spec.quota`` ({tokens | amount + currency, window: hour|day|month, timezone}). A ``Tenant`` declares the
+tenant itself (``apps.pools.manifests.tenants``). The pool extends the seed's shape so that capacity (and,
+optionally, prices per million tokens) is declared::
+
+    kind: TokenPool
+    metadata: {name: qwen3-8b}
+    spec:
+      model: Qwen/Qwen3-8B
+      backend: {kind: vllm, replicas: [{url: "http://127.0.0.1:8001", enabled: true}]}
+      scaling: {minReplicas: 1, maxReplicas: 10}
+      capacityPerReplica: {slots: 16, tokensPerSecond: 240, kvCacheGiB: 20}
+      kvGeometry: {layers: 36, kvHeads: 8, headDim: 128, bytesPerElement: 2}
+      pricing: {inputPerMillion: 0.15, outputPerMillion: 0.60, currency: USD}
+
+Applying validates every document first and writes nothing if any is wrong (errors name the document
+index, kind, name and field); then all documents are written in one transaction, tenants before pools
+before entitlements, in any document order. Applying is idempotent: each document is reported created, updated or unchanged. A pool's
+replica list is declarative (replicas missing from the document are removed).
+"""
+
+from __future__ import annotations
+
+from apps.pools.manifests.apply import _validate, manifests_apply
+from apps.pools.manifests.export import entitlement_to_manifest, manifests_export, pool_to_manifest
+from apps.pools.manifests.reader import (
+    API_VERSION,
+    KINDS,
+    SCHEMAS,
+    AppliedDocument,
+    ApplyResult,
+    ManifestError,
+    ManifestIssue,
+    manifests_parse,
+)
+from apps.pools.manifests.tenants import tenant_to_manifest
+
+__all__ = [
+    "API_VERSION",
+    "KINDS",
+    "SCHEMAS",
+    "AppliedDocument",
+    "ApplyResult",
+    "ManifestError",
+    "ManifestIssue",
+    "_validate",
+    "entitlement_to_manifest",
+    "manifests_apply",
+    "manifests_export",
+    "manifests_parse",
+    "pool_to_manifest",
+    "tenant_to_manifest",
+]

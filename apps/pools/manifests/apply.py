@@ -1,0 +1,259 @@
+"""Validate a manifest against the database and itself, then write it in one transaction: tenants, then
+pools, then entitlements, whatever the documents' order. Nothing is written if any document is wrong."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import transaction
+from django.utils import timezone
+
+from apps.pools.manifests.kinds import read_entitlement, read_pool, read_tenant
+from apps.pools.manifests.reader import (
+    API_VERSION,
+    ENTITLEMENT_PATHS,
+    KINDS,
+    POOL_PATHS,
+    SCHEMAS,
+    AppliedDocument,
+    ApplyResult,
+    Collector,
+    ManifestError,
+    ManifestIssue,
+    Plan,
+    Reader,
+    manifests_parse,
+    model_errors,
+    unknown_fields,
+)
+from apps.pools.manifests.tenants import apply_tenant, validate_tenants
+from apps.pools.models import TokenEntitlement, TokenPool
+from apps.pools.services import (
+    _check_pool,
+    entitlement_create,
+    entitlement_update,
+    money_quota_problem,
+    pool_create,
+    pool_update,
+)
+from apps.tenancy.models import Tenant
+from apps.tenancy.selectors import tenant_list, user_role
+
+
+def _pool_values_of(pool: TokenPool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    values = {name: getattr(pool, name) for name in POOL_PATHS if name not in ("name", "replicas")}
+    replicas = [{"url": r.url, "enabled": r.enabled} for r in pool.replicas.order_by("position", "id")]
+    return values, replicas
+
+
+def _entitlement_values_of(ent: TokenEntitlement) -> dict[str, Any]:
+    return {name: getattr(ent, name) for name in ENTITLEMENT_PATHS if name not in ("name", "tenant")}
+
+
+def _read_documents(documents: list[Any], actor: Any, errors: Collector) -> dict[str, list[Plan]]:
+    plans: dict[str, list[Plan]] = {kind: [] for kind in KINDS}
+    seen: set[tuple[str, str]] = set()
+    is_superuser = bool(getattr(actor, "is_superuser", False))
+    for index, doc in enumerate(documents):
+        if not isinstance(doc, Mapping):
+            errors.add(index, "", "", "", "a document must be a mapping")
+            continue
+        kind: str = doc["kind"] if isinstance(doc.get("kind"), str) else ""
+        metadata = doc.get("metadata")
+        name: str = metadata["name"] if isinstance(metadata, Mapping) and isinstance(metadata.get("name"), str) else ""
+        if doc.get("apiVersion") != API_VERSION:
+            errors.add(index, kind, name, "apiVersion", f"must be {API_VERSION!r}, got {doc.get('apiVersion')!r}")
+        if kind not in KINDS:
+            errors.add(index, kind, name, "kind", f"must be one of {', '.join(KINDS)}, got {doc.get('kind')!r}")
+            continue
+        if not name:
+            errors.add(index, kind, name, "metadata.name", "is required")
+            continue
+        if (kind, name) in seen:
+            errors.add(index, kind, name, "metadata.name", f"duplicate {kind} {name!r} in this manifest")
+            continue
+        seen.add((kind, name))
+        if not isinstance(doc.get("spec"), Mapping):
+            errors.add(index, kind, name, "spec", "is required and must be a mapping")
+            continue
+        for path in unknown_fields(doc, SCHEMAS[kind]):
+            errors.add(index, kind, name, path, "unknown field")
+        reader = Reader(doc, index, kind, name, errors)
+        if kind == "TokenPool":
+            if not is_superuser:
+                errors.add(index, kind, name, "", "only platform operators (superusers) may manage pools", True)
+                continue
+            values, replicas = read_pool(reader)
+            plans[kind].append(Plan(index, kind, name, values, replicas, TokenPool.objects.filter(name=name).first()))
+        elif kind == "Tenant":
+            plans[kind].append(Plan(index, kind, name, read_tenant(reader)))
+        else:
+            plans[kind].append(Plan(index, kind, name, read_entitlement(reader)))
+    return plans
+
+
+def _validate_pools(pools: list[Plan], errors: Collector) -> None:
+    for plan in pools:
+        # Validate on a detached copy: the real row changes only when writing.
+        candidate = TokenPool.objects.get(pk=plan.existing.pk) if plan.existing is not None else TokenPool(name=plan.name)
+        for key, value in plan.values.items():
+            setattr(candidate, key, value)
+        try:
+            _check_pool(candidate, plan.replicas)
+        except ValidationError as exc:
+            for path, message in model_errors(exc, POOL_PATHS):
+                errors.add(plan.index, plan.kind, plan.name, path, message)
+
+
+def _validate_entitlements(entitlements: list[Plan], tenants: list[Plan], pools: list[Plan], actor: Any,
+                           errors: Collector) -> None:
+    pool_names_in_file = {p.name for p in pools}
+    visible_tenants: dict[str, Tenant] = {t.slug: t for t in tenant_list(user=actor)}
+    declared = {plan.name: plan for plan in tenants}
+    for plan in entitlements:
+        v = plan.values
+        slug = v["tenant_slug"]
+        tenant = visible_tenants.get(slug)
+        if tenant is None and slug in declared:  # created by this manifest (a superuser's: validated above)
+            tenant = Tenant(slug=slug, name=declared[slug].values["name"])
+        if tenant is None:
+            errors.add(plan.index, plan.kind, plan.name, "spec.tenantId", f"unknown tenant {slug!r}")
+            continue
+        if tenant.pk is not None and user_role(user=actor, tenant=tenant) != "owner":
+            errors.add(plan.index, plan.kind, plan.name, "", f"only owners of tenant {tenant.slug!r} may manage its "
+                       "entitlements", True)
+            continue
+        existing = TokenEntitlement.objects.select_related("tenant").filter(name=plan.name).first()
+        if existing is not None and existing.tenant.slug != slug:
+            errors.add(plan.index, plan.kind, plan.name, "metadata.name",
+                       "an entitlement with this name already exists (entitlements cannot move between tenants)")
+            continue
+        pool = TokenPool.objects.filter(name=v["pool_name"]).first()
+        if pool is None and v["pool_name"] not in pool_names_in_file:
+            errors.add(plan.index, plan.kind, plan.name, "spec.poolRef.name", f"unknown pool {v['pool_name']!r}")
+            continue
+        plan.existing = existing
+        plan.values = {"tenant_slug": slug, "pool_name": v["pool_name"],
+                       **{k: val for k, val in v.items() if k not in ("tenant_slug", "pool_name")}}
+        fields = {k: val for k, val in plan.values.items() if k not in ("tenant_slug", "pool_name")}
+        candidate = TokenEntitlement(name=plan.name, tenant=tenant, pool=pool or TokenPool(name=v["pool_name"]),
+                                     **fields)
+        exclude = ["state", "state_reason", "state_changed_at"]
+        exclude += ["pool"] if pool is None else []
+        exclude += ["tenant"] if tenant.pk is None else []
+        try:
+            candidate.full_clean(exclude=exclude, validate_unique=existing is None)
+        except ValidationError as exc:
+            for path, message in model_errors(exc, ENTITLEMENT_PATHS):
+                errors.add(plan.index, plan.kind, plan.name, path, message)
+
+
+def _check_money_quotas(tenants: list[Plan], pools: list[Plan], entitlements: list[Plan], errors: Collector) -> None:
+    """Money quotas are priced at the pools' prices: each must meet pools priced in its currency, with the
+    manifest's tenants, pools and entitlements as they will be once applied."""
+
+    def pool_as_applied(name: str) -> TokenPool | None:
+        plan = next((p for p in pools if p.name == name), None)
+        if plan is None:
+            return TokenPool.objects.filter(name=name).first()
+        return TokenPool(name=name, **{k: v for k, v in plan.values.items() if k.startswith("price_")})
+
+    def tenant_as_applied(slug: str) -> Any:
+        plan = next((p for p in tenants if p.name == slug), None)
+        if plan is None:
+            return Tenant.objects.filter(slug=slug).first()
+        return Tenant(slug=slug, **{k: v for k, v in plan.values.items() if k.startswith("quota_")})
+
+    in_file = {plan.name for plan in entitlements}
+    checks: list[tuple[Plan, Any, str, str, str]] = []  # (plan, owner, pool name, field, what)
+    for plan in entitlements:
+        owner = TokenEntitlement(**{k: v for k, v in plan.values.items() if k.startswith("quota_")})
+        checks.append((plan, owner, plan.values["pool_name"], "spec.quota", "this entitlement"))
+        tenant = tenant_as_applied(plan.values["tenant_slug"])
+        if tenant is not None:
+            checks.append((plan, tenant, plan.values["pool_name"], "spec.poolRef.name",
+                           f"its tenant {tenant.slug!r}"))
+    for plan in tenants:
+        tenant = tenant_as_applied(plan.name)
+        for ent in TokenEntitlement.objects.filter(tenant__slug=plan.name).select_related("pool"):
+            if ent.name not in in_file:
+                checks.append((plan, tenant, ent.pool.name, "spec.quota", f"tenant {plan.name!r} (entitlement "
+                               f"{ent.name!r})"))
+    for plan, owner, pool_name, field, what in checks:
+        pool = pool_as_applied(pool_name)
+        problem = None if pool is None else money_quota_problem(owner, pool, what)
+        if problem:
+            errors.add(plan.index, plan.kind, plan.name, field, problem)
+
+
+def _validate(documents: list[Any], actor: Any) -> dict[str, list[Plan]]:
+    errors = Collector()
+    plans = _read_documents(documents, actor, errors)
+    if errors.issues:
+        raise ManifestError(errors.issues, errors.forbidden)
+    validate_tenants(plans["Tenant"], actor, errors)
+    _validate_pools(plans["TokenPool"], errors)
+    _validate_entitlements(plans["TokenEntitlement"], plans["Tenant"], plans["TokenPool"], actor, errors)
+    if not errors.issues:
+        _check_money_quotas(plans["Tenant"], plans["TokenPool"], plans["TokenEntitlement"], errors)
+    if errors.issues:
+        raise ManifestError(errors.issues, errors.forbidden)
+    return plans
+
+
+def _apply_pool(plan: Plan, actor: Any, now: dt.datetime) -> str:
+    if plan.existing is None:
+        pool_create(actor=actor, name=plan.name, replicas=plan.replicas or [], now=now, **plan.values)
+        return "created"
+    if _pool_values_of(plan.existing) == (plan.values, plan.replicas):
+        return "unchanged"
+    pool_update(actor=actor, pool=plan.existing, replicas=plan.replicas, now=now, **plan.values)
+    return "updated"
+
+
+def _apply_entitlement(plan: Plan, actor: Any, now: dt.datetime) -> str:
+    values = dict(plan.values)
+    tenant = Tenant.objects.get(slug=values.pop("tenant_slug"))
+    values["pool"] = TokenPool.objects.get(name=values.pop("pool_name"))
+    if plan.existing is None:
+        entitlement_create(actor=actor, name=plan.name, tenant=tenant, now=now, **values)
+        return "created"
+    if _entitlement_values_of(plan.existing) == values:
+        return "unchanged"
+    entitlement_update(actor=actor, entitlement=plan.existing, now=now, **values)
+    return "updated"
+
+
+def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime | None = None) -> ApplyResult:
+    """Validate all documents, then write them in one transaction; raises ManifestError with nothing written.
+
+    ``documents`` is YAML text or already-parsed documents. Tenants and pools need a superuser (an owner may
+    change their tenant's members); entitlements an owner of the tenant named by ``tenantId`` (an unknown
+    or invisible tenant is reported as unknown).
+    """
+    if isinstance(documents, str):
+        documents = manifests_parse(documents)
+    if not isinstance(documents, list):
+        raise ManifestError([ManifestIssue(None, "", "", "", "expected a list of documents")])
+    now = now or timezone.now()
+    result = ApplyResult()
+    try:
+        with transaction.atomic():
+            plans = _validate(documents, actor)
+            actions: dict[int, AppliedDocument] = {}
+            for plan in plans["Tenant"]:
+                actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, apply_tenant(plan, actor))
+            for plan in plans["TokenPool"]:
+                actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, _apply_pool(plan, actor, now))
+            for plan in plans["TokenEntitlement"]:
+                actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name,
+                                                      _apply_entitlement(plan, actor, now))
+            result.documents = [actions[i] for i in sorted(actions)]
+    except ValidationError as exc:  # a concurrent writer changed something between validation and write
+        raise ManifestError([ManifestIssue(None, "", "", f, m) for f, m in model_errors(exc, {})]) from exc
+    except PermissionDenied as exc:
+        raise ManifestError([ManifestIssue(None, "", "", "", str(exc))], forbidden=True) from exc
+    return result

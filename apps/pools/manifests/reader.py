@@ -1,0 +1,299 @@
+"""Reading manifest documents: the schema of each kind, typed access that collects every problem, and the
+errors and results of an apply."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import yaml
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+API_VERSION = "tokenpools.io/v1alpha1"
+KINDS = ("Tenant", "TokenPool", "TokenEntitlement")
+
+# The fields each kind accepts (None: a leaf; a one-element list: a list of such items; ANY: free-form).
+# Unknown fields are errors, like Kubernetes' strict field validation: a typo must not be ignored silently.
+ANY = object()
+_METADATA = {"name": None, "labels": ANY, "annotations": ANY}
+_QUOTA = {"tokens": None, "amount": None, "currency": None, "window": None, "timezone": None}
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "Tenant": {
+        "apiVersion": None,
+        "kind": None,
+        "metadata": _METADATA,
+        "spec": {"displayName": None, "members": [{"user": None, "role": None}], "quota": _QUOTA},
+    },
+    "TokenPool": {
+        "apiVersion": None,
+        "kind": None,
+        "metadata": _METADATA,
+        "spec": {
+            "model": None,
+            "backend": {"kind": None, "replicas": [{"url": None, "enabled": None}]},
+            "scaling": {"minReplicas": None, "maxReplicas": None},
+            "capacityPerReplica": {"slots": None, "tokensPerSecond": None, "kvCacheGiB": None},
+            "kvGeometry": {"layers": None, "kvHeads": None, "headDim": None, "bytesPerElement": None},
+            "pricing": {"inputPerMillion": None, "outputPerMillion": None, "currency": None},
+        },
+    },
+    "TokenEntitlement": {
+        "apiVersion": None,
+        "kind": None,
+        "metadata": _METADATA,
+        "spec": {
+            "tenantId": None,
+            "poolRef": {"name": None},
+            "qos": {"serviceClass": None, "sloTargetMs": None},
+            "resources": {"tokensPerSecond": None, "kvCacheGiB": None, "concurrency": None},
+            "limits": {"defaultMaxTokens": None, "queueMax": None},
+            "quota": _QUOTA,
+            "expiresAt": None,
+        },
+    },
+}
+
+
+def unknown_fields(node: Any, schema: Any, path: str = "") -> list[str]:
+    """Paths in ``node`` that ``schema`` does not declare (type errors are reported elsewhere)."""
+    if schema is None or schema is ANY:
+        return []
+    if isinstance(schema, list):
+        if not isinstance(node, list):
+            return []
+        return [p for i, item in enumerate(node) for p in unknown_fields(item, schema[0], f"{path}[{i}]")]
+    if not isinstance(node, Mapping):
+        return []
+    found = []
+    for key, value in node.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in schema:
+            found.append(where)
+        else:
+            found.extend(unknown_fields(value, schema[key], where))
+    return found
+
+# Model field -> manifest path, to report model validation errors where the author wrote the value.
+POOL_PATHS = {
+    "name": "metadata.name",
+    "model_name": "spec.model",
+    "backend_kind": "spec.backend.kind",
+    "replicas": "spec.backend.replicas",
+    "min_replicas": "spec.scaling.minReplicas",
+    "max_replicas": "spec.scaling.maxReplicas",
+    "slots_per_replica": "spec.capacityPerReplica.slots",
+    "tokens_per_second_per_replica": "spec.capacityPerReplica.tokensPerSecond",
+    "kv_cache_gib_per_replica": "spec.capacityPerReplica.kvCacheGiB",
+    "kv_layers": "spec.kvGeometry.layers",
+    "kv_heads": "spec.kvGeometry.kvHeads",
+    "head_dim": "spec.kvGeometry.headDim",
+    "bytes_per_element": "spec.kvGeometry.bytesPerElement",
+    "price_input_per_million": "spec.pricing.inputPerMillion",
+    "price_output_per_million": "spec.pricing.outputPerMillion",
+    "price_currency": "spec.pricing.currency",
+}
+QUOTA_PATHS = {
+    "quota_tokens": "spec.quota.tokens",
+    "quota_amount": "spec.quota.amount",
+    "quota_currency": "spec.quota.currency",
+    "quota_window": "spec.quota.window",
+    "quota_timezone": "spec.quota.timezone",
+}
+TENANT_PATHS = {"slug": "metadata.name", "name": "spec.displayName", **QUOTA_PATHS}
+ENTITLEMENT_PATHS = {
+    "name": "metadata.name",
+    "tenant": "spec.tenantId",
+    "pool": "spec.poolRef.name",
+    "service_class": "spec.qos.serviceClass",
+    "slo_target_ms": "spec.qos.sloTargetMs",
+    "tokens_per_second": "spec.resources.tokensPerSecond",
+    "kv_cache_gib": "spec.resources.kvCacheGiB",
+    "concurrency": "spec.resources.concurrency",
+    "default_max_tokens": "spec.limits.defaultMaxTokens",
+    "queue_max": "spec.limits.queueMax",
+    "expires_at": "spec.expiresAt",
+    **QUOTA_PATHS,
+}
+
+
+@dataclass(frozen=True)
+class ManifestIssue:
+    index: int | None
+    kind: str
+    name: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"document {self.index}" if self.index is not None else "manifest"
+        what = " ".join(part for part in (self.kind, repr(self.name) if self.name else "") if part)
+        loc = f"{where} ({what})" if what else where
+        return f"{loc}: {self.field}: {self.message}" if self.field else f"{loc}: {self.message}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "kind": self.kind, "name": self.name, "field": self.field, "message": self.message}
+
+
+class ManifestError(Exception):
+    """Invalid manifest: nothing was written. ``forbidden`` when a document needs rights the actor lacks."""
+
+    def __init__(self, issues: list[ManifestIssue], forbidden: bool = False) -> None:
+        super().__init__("\n".join(str(i) for i in issues))
+        self.issues = issues
+        self.forbidden = forbidden
+
+
+@dataclass(frozen=True)
+class AppliedDocument:
+    index: int
+    kind: str
+    name: str
+    action: str  # "created" | "updated" | "unchanged"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "kind": self.kind, "name": self.name, "action": self.action}
+
+
+@dataclass
+class ApplyResult:
+    documents: list[AppliedDocument] = field(default_factory=list)
+
+    def count(self, action: str) -> int:
+        return sum(1 for d in self.documents if d.action == action)
+
+    def summary(self) -> dict[str, int]:
+        return {a: self.count(a) for a in ("created", "updated", "unchanged")}
+
+
+@dataclass
+class Plan:
+    index: int
+    kind: str
+    name: str
+    values: dict[str, Any]
+    replicas: list[dict[str, Any]] | None = None
+    existing: Any = None
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.issues: list[ManifestIssue] = []
+        self.forbidden = False
+
+    def add(self, index: int | None, kind: str, name: str, path: str, message: str, forbidden: bool = False) -> None:
+        self.issues.append(ManifestIssue(index, kind, name, path, message))
+        self.forbidden = self.forbidden or forbidden
+
+
+# --- parsing -----------------------------------------------------------------------------------------
+
+
+def manifests_parse(text: str) -> list[Any]:
+    """YAML text (one or more ``---`` separated documents) -> list of documents; empty documents dropped."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ManifestError([ManifestIssue(None, "", "", "", f"malformed YAML: {exc}")]) from exc
+    if not docs:
+        raise ManifestError([ManifestIssue(None, "", "", "", "no documents found")])
+    return docs
+
+
+class Reader:
+    """Typed access to nested manifest values that records every problem instead of raising."""
+
+    def __init__(self, doc: Mapping[str, Any], index: int, kind: str, name: str, errors: Collector) -> None:
+        self.doc, self.index, self.kind, self.name, self.errors = doc, index, kind, name, errors
+
+    def _fail(self, path: str, message: str) -> None:
+        self.errors.add(self.index, self.kind, self.name, path, message)
+
+    def get(self, path: str, default: Any = None, required: bool = False) -> Any:
+        node: Any = self.doc
+        walked: list[str] = []
+        for part in path.split("."):
+            if node is None:
+                break
+            if not isinstance(node, Mapping):
+                self._fail(".".join(walked), "must be a mapping")
+                return default
+            walked.append(part)
+            node = node.get(part)
+        if node is None:
+            if required:
+                self._fail(path, "is required")
+            return default
+        return node
+
+    def string(self, path: str, required: bool = True, default: str | None = None) -> str | None:
+        value = self.get(path, default, required)
+        if value is None or isinstance(value, str):
+            return value
+        self._fail(path, f"must be a string, got {value!r}")
+        return None
+
+    def integer(self, path: str, required: bool = True, default: int | None = None,
+                minimum: int = 1) -> int | None:
+        value = self.get(path, default, required)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            self._fail(path, f"must be an integer, got {value!r}")
+            return None
+        if value < minimum:
+            self._fail(path, f"must be positive, got {value}" if minimum == 1 else f"must be at least {minimum}, got {value}")
+            return None
+        return value
+
+    def decimal(self, path: str, required: bool = True, allow_zero: bool = False, places: int = 3) -> Decimal | None:
+        value = self.get(path, None, required)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            self._fail(path, f"must be a number, got {value!r}")
+            return None
+        try:
+            number = Decimal(str(value))
+        except InvalidOperation:
+            self._fail(path, f"must be a number, got {value!r}")
+            return None
+        if not number.is_finite() or number < 0 or (number == 0 and not allow_zero):
+            self._fail(path, f"must be {'zero or more' if allow_zero else 'positive'}, got {value}")
+            return None
+        if number != number.quantize(Decimal(1).scaleb(-places)):
+            self._fail(path, f"at most {places} decimal places")
+            return None
+        return number
+
+    def timestamp(self, path: str) -> dt.datetime | None:
+        value = self.get(path)
+        if value is None:
+            return None
+        if isinstance(value, dt.datetime):
+            parsed: dt.datetime | None = value
+        elif isinstance(value, str):
+            try:
+                parsed = parse_datetime(value)
+            except ValueError:
+                parsed = None
+        else:
+            parsed = None
+        if parsed is None:
+            self._fail(path, f"must be an ISO 8601 date-time, got {value!r}")
+            return None
+        if timezone.is_naive(parsed):
+            parsed = timezone.make_aware(parsed, dt.UTC)
+        return parsed
+
+
+def model_errors(exc: ValidationError, paths: Mapping[str, str]) -> list[tuple[str, str]]:
+    out = []
+    for name, messages in exc.message_dict.items():
+        for message in messages:
+            out.append((paths.get(name, name), message))
+    return out
