@@ -9,10 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 import django_filters
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
 
 from apps.gateway.models import UsageRecord
-from apps.gateway.selectors import usage_record_list
+from apps.gateway.selectors import usage_record_list, usage_spend_summary
 from apps.tenancy.apiutils import UtcIsoDateTimeFilter
 
 
@@ -44,3 +49,22 @@ class UsageRecordViewSet(viewsets.ReadOnlyModelViewSet):
 
     def get_queryset(self) -> Any:
         return usage_record_list(user=self.request.user)
+
+    @extend_schema(
+        parameters=[OpenApiParameter("period", str, enum=["day", "month"], description="group by UTC day or month")],
+        responses=inline_serializer("UsageSummaryRow", {
+            "tenant": serializers.CharField(), "entitlement": serializers.CharField(),
+            "period": serializers.CharField(help_text="YYYY-MM-DD or YYYY-MM (UTC)"),
+            "requests": serializers.IntegerField(), "prompt_tokens": serializers.IntegerField(),
+            "completion_tokens": serializers.IntegerField(), "rejected": serializers.IntegerField(),
+            "spend": serializers.DictField(allow_null=True, help_text="{amount, currency} at the pool's prices"),
+        }, many=True),
+    )
+    @action(detail=False, methods=["get"], pagination_class=None)
+    def summary(self, request: Request) -> Response:
+        """Tokens and spend per tenant, entitlement and day or month (the same filters as the list)."""
+        period = request.query_params.get("period", "day")
+        if period not in ("day", "month"):
+            raise ValidationError({"period": [f"must be day or month, got {period!r}"]})
+        records = self.filter_queryset(self.get_queryset())
+        return Response(usage_spend_summary(user=request.user, period=period, filters=records))

@@ -58,3 +58,43 @@ def usage_record_list(*, user: Any) -> Any:
     from apps.tenancy.selectors import tenant_list
 
     return UsageRecord.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant")
+
+
+def usage_spend_summary(*, user: Any, period: str, filters: Any = None) -> list[dict[str, Any]]:
+    """Usage per tenant, entitlement and UTC day or month, with its spend at the entitlement's pool's prices
+    (per million tokens; null when the pool has none, or the entitlement is gone). `filters` narrows the
+    records first (the usage API's filters)."""
+    import datetime as dt
+    from decimal import Decimal
+
+    from django.db.models import Sum
+    from django.db.models.functions import TruncDay, TruncMonth
+
+    truncate = {"day": TruncDay, "month": TruncMonth}[period]
+    records = filters if filters is not None else usage_record_list(user=user)
+    rows = (records.annotate(period=truncate("minute", tzinfo=dt.UTC))
+            .values("tenant__slug", "entitlement", "period")
+            .annotate(requests=Sum("requests"), prompt_tokens=Sum("prompt_tokens"),
+                      completion_tokens=Sum("completion_tokens"), rejected=Sum("rejected"))
+            .order_by("period", "tenant__slug", "entitlement"))
+    rows = list(rows)
+    prices = {
+        e.name: e.pool for e in TokenEntitlement.objects.filter(name__in={r["entitlement"] for r in rows})
+        .select_related("pool")
+    }
+    million = Decimal(1_000_000)
+    out = []
+    for row in rows:
+        pool = prices.get(row["entitlement"])
+        spend = None
+        if pool is not None and pool.has_prices:
+            amount = (row["prompt_tokens"] * pool.price_input_per_million
+                      + row["completion_tokens"] * pool.price_output_per_million) / million
+            spend = {"amount": str(amount.quantize(Decimal("0.000001"))), "currency": pool.price_currency}
+        out.append({
+            "tenant": row["tenant__slug"], "entitlement": row["entitlement"],
+            "period": row["period"].date().isoformat() if period == "day" else row["period"].strftime("%Y-%m"),
+            "requests": row["requests"], "prompt_tokens": row["prompt_tokens"],
+            "completion_tokens": row["completion_tokens"], "rejected": row["rejected"], "spend": spend,
+        })
+    return out
