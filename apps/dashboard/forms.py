@@ -57,12 +57,36 @@ def _expires_field() -> forms.DateTimeField:
     )
 
 
+def _quota_form_fields() -> dict[str, forms.Field]:
+    return {
+        "quota_window": forms.ChoiceField(
+            choices=[("", "no quota"), ("hour", "hour"), ("day", "day"), ("month", "month")], required=False,
+            label="Quota window", help_text="Calendar-aligned in the quota's timezone."),
+        "quota_tokens": forms.IntegerField(min_value=1, required=False, label="Quota (tokens)",
+                                           help_text="Prompt plus completion tokens per window."),
+        "quota_amount": forms.DecimalField(min_value=Decimal("0.0001"), max_digits=14, decimal_places=4,
+                                           required=False, label="Quota (money)",
+                                           help_text="Instead of tokens: priced at the pool's prices."),
+        "quota_currency": forms.CharField(max_length=3, required=False, label="Quota currency"),
+        "quota_timezone": forms.CharField(max_length=64, required=False, initial="UTC", label="Quota timezone"),
+    }
+
+
+QUOTA_FORM_FIELDS = _quota_form_fields()
+QUOTA_NAMES = tuple(QUOTA_FORM_FIELDS)
+
+
 class TenantForm(forms.Form):
     name = forms.CharField(max_length=200)
     slug = forms.CharField(
         max_length=63,
         help_text="Lowercase letters, digits and inner hyphens; used in URLs and the API.",
     )
+    quota_window = QUOTA_FORM_FIELDS["quota_window"]
+    quota_tokens = QUOTA_FORM_FIELDS["quota_tokens"]
+    quota_amount = QUOTA_FORM_FIELDS["quota_amount"]
+    quota_currency = QUOTA_FORM_FIELDS["quota_currency"]
+    quota_timezone = QUOTA_FORM_FIELDS["quota_timezone"]
 
 
 class MembershipForm(forms.Form):
@@ -135,15 +159,11 @@ class EntitlementForm(forms.Form):
     default_max_tokens = forms.IntegerField(min_value=1, required=False, label="Default max_tokens")
     queue_max = forms.IntegerField(min_value=1, required=False, label="Queue limit")
     expires_at = _expires_field()
-    quota_window = forms.ChoiceField(choices=[("", "no quota"), ("hour", "hour"), ("day", "day"), ("month", "month")],
-                                     required=False, label="Quota window",
-                                     help_text="Calendar-aligned in the quota's timezone.")
-    quota_tokens = forms.IntegerField(min_value=1, required=False, label="Quota (tokens)",
-                                      help_text="Prompt plus completion tokens per window.")
-    quota_amount = forms.DecimalField(min_value=Decimal("0.0001"), max_digits=14, decimal_places=4, required=False,
-                                      label="Quota (money)", help_text="Instead of tokens: priced at the pool's prices.")
-    quota_currency = forms.CharField(max_length=3, required=False, label="Quota currency")
-    quota_timezone = forms.CharField(max_length=64, required=False, initial="UTC", label="Quota timezone")
+    quota_window = QUOTA_FORM_FIELDS["quota_window"]
+    quota_tokens = QUOTA_FORM_FIELDS["quota_tokens"]
+    quota_amount = QUOTA_FORM_FIELDS["quota_amount"]
+    quota_currency = QUOTA_FORM_FIELDS["quota_currency"]
+    quota_timezone = QUOTA_FORM_FIELDS["quota_timezone"]
 
     def __init__(
         self,

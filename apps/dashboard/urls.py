@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.urls import path
 
 from apps.dashboard import views
+from apps.dashboard.usage import usage_page
 
 app_name = "ui"
 urlpatterns = [
@@ -25,6 +26,7 @@ urlpatterns = [
     path("pools/<str:name>/edit/", views.pool_edit, name="pool-edit"),
     path("pools/<str:name>/delete/", views.pool_delete, name="pool-delete"),
     path("pools/<str:name>/replicas/<int:replica_id>/toggle/", views.replica_toggle, name="replica-toggle"),
+    path("usage/", usage_page, name="usage"),
     path("tenants/", views.tenant_list, name="tenant-list"),
     path("tenants/new/", views.tenant_create, name="tenant-create"),
     path("tenants/<str:slug>/", views.tenant_detail, name="tenant-detail"),

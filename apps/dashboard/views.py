@@ -28,6 +28,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from apps.dashboard import selectors as page_selectors
 from apps.dashboard.forms import (
+    QUOTA_NAMES,
     ApiKeyForm,
     EntitlementForm,
     MembershipForm,
@@ -397,7 +398,7 @@ def tenant_create(request: AuthenticatedRequest) -> HttpResponse:
         request,
         "dashboard/tenant_form.html",
         make_form=TenantForm,
-        save=lambda data: tenancy_services.tenant_create(actor=request.user, **data),
+        save=lambda data: tenant_operations.tenant_save(actor=request.user, **data),
         on_saved=lambda tenant: _redirect_with_success(
             request, f"Tenant {tenant.slug} created.", "ui:tenant-detail", slug=tenant.slug
         ),
@@ -432,8 +433,9 @@ def tenant_edit(request: AuthenticatedRequest, slug: str) -> HttpResponse:
         request,
         "dashboard/tenant_form.html",
         make_form=TenantForm,
-        initial=lambda: {"name": tenant.name, "slug": tenant.slug},
-        save=lambda data: tenancy_services.tenant_update(actor=request.user, tenant=tenant, **data),
+        initial=lambda: {"name": tenant.name, "slug": tenant.slug,
+                         **{name: getattr(tenant, name) for name in QUOTA_NAMES}},
+        save=lambda data: tenant_operations.tenant_save(actor=request.user, tenant=tenant, **data),
         on_saved=lambda updated: _redirect_with_success(
             request, f"Tenant {updated.slug} saved.", "ui:tenant-detail", slug=updated.slug
         ),
