@@ -5,16 +5,24 @@ burst update is the policy package's; these classes only translate simulator req
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from apps.policy.admission import AdmissionConfig, AdmissionRequest, EntitlementLimits, EntitlementState
+from apps.policy.admission import (
+    AdmissionConfig,
+    AdmissionRequest,
+    EntitlementLimits,
+    EntitlementState,
+    resolved_max_tokens,
+)
 from apps.policy.blis import AdmissionStage, BlisRequest, ClusterView, TenantBudgets, make_admission_policy
 from apps.policy.errors import PolicyConfigError
 from apps.policy.ledger import AdmissionLedger
 from apps.policy.priority import Dynamics, DynamicsConfig
+from apps.policy.quota import QUOTA_WINDOWS, QuotaClaim, QuotaRule
 from apps.policy.saturation import InstanceSnapshot, pool_saturation
 from apps.simulator.cluster import ADMIT_NOW, Cluster, GateDecision, HoldNothing
 from apps.simulator.workload import TenantSpec
@@ -74,9 +82,29 @@ class DebtSample:
     priority: dict[str, float] = field(default_factory=dict)
 
 
+# Virtual time 0 is this instant on the calendar, for quota windows (hour, day, month).
+SIM_EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def quota_rules(tenant: TenantSpec) -> tuple[QuotaRule, ...]:
+    """`entitlement.quota: {tokens: N, window: hour|day|month, timezone: ...}`, as the gateway enforces it
+    (money quotas need pool prices, which scenarios do not have)."""
+    quota = tenant.entitlement.get("quota")
+    if quota is None:
+        return ()
+    if not isinstance(quota, dict) or not isinstance(quota.get("tokens"), int) or quota["tokens"] < 1:
+        raise PolicyConfigError(f"tenant {tenant.name!r}: entitlement.quota needs tokens (a positive integer)")
+    if quota.get("window") not in QUOTA_WINDOWS:
+        raise PolicyConfigError(f"tenant {tenant.name!r}: entitlement.quota.window must be one of "
+                                f"{', '.join(QUOTA_WINDOWS)}")
+    return (QuotaRule(f"entitlement:{tenant.name}", float(quota["tokens"]), quota["window"],
+                      str(quota.get("timezone", "UTC"))),)
+
+
 def entitlement_limits(tenant: TenantSpec) -> EntitlementLimits:
     """The entitlement a scenario tenant holds: its `entitlement:` mapping, with the tenant's SLO."""
     spec = dict(tenant.entitlement)
+    spec.pop("quota", None)  # `quota_rules`
     spec.setdefault("slo_target_ms", tenant.slo_target_ms or 1000.0)
     spec.setdefault("tenant_id", tenant.name)
     try:
@@ -107,6 +135,7 @@ class TokenPoolsAdmission:
     ) -> None:
         self.tenants = tenants
         self.limits = {tenant.name: entitlement_limits(tenant) for tenant in tenants}
+        self.quotas = {tenant.name: rules for tenant in tenants if (rules := quota_rules(tenant))}
         self.seed = seed
         self.tick_s = tick_s
         self.expire_check_s = expire_check_s
@@ -196,11 +225,8 @@ class TokenPoolsAdmission:
     def decide(self, request: SimRequest) -> GateDecision:
         now = self.cluster.loop.time
         key = str(request.rid)
-        result = self.ledger.request(
-            request.tenant,
-            AdmissionRequest(key, request.prompt_tokens, max_tokens=request.output_tokens),
-            now,
-        )
+        offered = AdmissionRequest(key, request.prompt_tokens, max_tokens=request.output_tokens)
+        result = self.ledger.request(request.tenant, offered, now, quota=self._claim(request.tenant, offered, now))
         decision = result.decision
         for evicted in result.evicted:
             victim = self.live.pop(evicted, None)
@@ -221,6 +247,16 @@ class TokenPoolsAdmission:
         # Non-retryable rejections carry no Retry-After; the client falls back to its own backoff.
         retry = decision.retry_after_s if decision.retryable else None
         return GateDecision("reject", decision.reason, retry_after_s=retry)
+
+    def _claim(self, tenant: str, request: AdmissionRequest, now: float) -> QuotaClaim | None:
+        """The request's quota reservation, as the gateway's admission step builds it."""
+        rules = self.quotas.get(tenant)
+        max_tokens = None if rules is None else resolved_max_tokens(self.limits[tenant], request)
+        if rules is None or max_tokens is None:
+            return None
+        when = SIM_EPOCH + dt.timedelta(seconds=now)
+        return QuotaClaim(request.request_id, request.input_tokens, max_tokens,
+                          tuple(rule.charge_at(when) for rule in rules), when.timestamp(), scope=tenant)
 
     def _collect(self, started: Any) -> None:
         for key in started:

@@ -97,3 +97,17 @@ def test_debt_samples_come_from_the_ledger_tick():
     debts = [s.debt["e"] for s in adapter.debt_samples if s.time > 5]
     # Demand 6 against 3 slots: underserved, so debt is positive and settles.
     assert debts and min(debts) > 0.2
+
+
+def test_a_quota_refuses_within_its_hour_and_the_next_hour_starts_afresh():
+    # Virtual time starts on the hour: 36 tokens a request (16 + 20), at most 10 requests' worth an hour.
+    quota = {"tokens": 360, "window": "hour"}
+    simulation = simulate(
+        [TenantSpec("metered", rate=1.0, entitlement={"service_class": "elastic", "concurrency": 4, "quota": quota},
+                    **SHORT)],
+        horizon=3600.0 + 600.0,
+    )
+    ledger = simulation.cluster.admission.ledger  # type: ignore[attr-defined]
+    assert ledger.counters.by_reason.get("quota_exceeded", 0) > 3000  # about 1 request a second, 10 served
+    assert ledger.counters.admitted == 20  # 10 in the first hour, 10 in the second
+    assert ledger.quotas.holds == {}
