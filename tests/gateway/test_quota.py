@@ -121,6 +121,8 @@ def test_processes_sharing_redis_never_pass_the_limit(gateway_factory: Any, upst
         assert len(served) + len(refused) == len(answers), {r.status_code for r in answers}
         assert all(r.json()["error"]["code"] == "quota_exceeded" for r in refused)
         cost = _cost(served[0])
+        print(f"quota {limit} tokens, 2 processes, {len(answers)} concurrent requests of {cost} tokens: "
+              f"{len(served)} served ({sum(_cost(r) for r in served)} tokens), {len(refused)} quota_exceeded")
         # Each request reserves its whole cost; the 40 together ask for far more than the limit.
         assert len(served) == limit // cost, (len(served), cost)
         assert sum(_cost(r) for r in served) <= limit
