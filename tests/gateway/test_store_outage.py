@@ -115,3 +115,17 @@ def test_a_frozen_store_leaves_nothing_held_once_it_thaws(
     with capsys.disabled():
         print(f"\nRedis frozen (SIGSTOP) then thawed: all {CONCURRENCY} slots admitted {elapsed:.2f} s after SIGCONT")
     assert elapsed < BACK_WITHIN_S, elapsed
+
+
+def test_metrics_export_the_stores_debt_burst_and_priority(gateway_factory: Any, upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory()
+    h = gateway_factory(upstreams=[upstream], entitlement={"concurrency": CONCURRENCY})
+    labels = '{pool="tiny",entitlement="acme-chat"}'
+    deadline = time.monotonic() + 10
+    while _gauge(h.url, "tokenpools_entitlement_priority", labels) is None:
+        assert time.monotonic() < deadline, "no priority gauge within 10 s"
+        time.sleep(0.2)
+    # A guaranteed entitlement with no debt or burst: its class weight (1000) times its SLO term.
+    assert _gauge(h.url, "tokenpools_entitlement_debt", labels) == 0.0
+    assert _gauge(h.url, "tokenpools_entitlement_burst", labels) == 0.0
+    assert (_gauge(h.url, "tokenpools_entitlement_priority", labels) or 0) > 100

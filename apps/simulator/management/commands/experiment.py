@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from apps.simulator.experiment import (
     sim_outcomes,
     ttft_p99_windows,
 )
-from apps.simulator.experiment_report import write_report
+from apps.simulator.experiment_report import screenshot, write_report
 from apps.simulator.scenario import Scenario, load_scenario
 
 
@@ -72,8 +73,10 @@ class Command(BaseCommand):
                             help="multiply slots, clients, rates and entitlement concurrency by this")
         parser.add_argument("--out", default=None, help="report folder (default var/experiments/NAME-TIME)")
         parser.add_argument("--no-progress", action="store_true")
+        parser.add_argument("--screenshot", default=None, help="also save a PNG of the overlay figure here")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
         path = Path(options["scenario"])
         try:
             scenario = load_scenario(path)
@@ -106,6 +109,9 @@ class Command(BaseCommand):
         paths = write_report(report, out)
         self.stdout.write(paths["markdown"].read_text())
         self.stdout.write(f"report: {paths['html']}\n")
+        if options["screenshot"]:
+            png = screenshot(paths["html"], Path(options["screenshot"]), settings.TOKENPOOLS_CHROMIUM)
+            self.stdout.write(f"screenshot: {png}\n")
 
     def _run(self, scenario: Scenario, arms: list[str], options: dict[str, Any], out: Path) -> dict[str, Any]:
         capacity = float(options["capacity_scale"])
