@@ -64,9 +64,10 @@ def scale_scenario(scenario: Scenario, *, time_scale: float = 1.0, capacity_scal
     return replace(scenario, config=config)
 
 
-def phases(tenants: list[TenantSpec], horizon_s: float) -> list[tuple[str, float, float]]:
-    """The spans between the instants a tenant joins or leaves: (name, start, end)."""
-    edges = sorted({t for spec in tenants for t in (spec.start, spec.stop) if t is not None and 0 < t < horizon_s})
+def phases(tenants: list[TenantSpec], horizon_s: float, events: Any = ()) -> list[tuple[str, float, float]]:
+    """The spans between the instants a tenant joins or leaves, or capacity changes: (name, start, end)."""
+    instants = [t for spec in tenants for t in (spec.start, spec.stop)] + [e.at for e in events]
+    edges = sorted({t for t in instants if t is not None and 0 < t < horizon_s})
     bounds = [0.0, *edges, horizon_s]
     spans = list(zip(bounds, bounds[1:], strict=False))
     names = ["before", "during", "after"] if len(spans) == 3 else [f"phase {i + 1}" for i in range(len(spans))]
@@ -110,9 +111,9 @@ def tenant_figures(outcomes: list[Outcome]) -> dict[str, Any]:
     }
 
 
-def figures(outcomes: list[Outcome], tenants: list[TenantSpec], horizon_s: float) -> dict[str, Any]:
+def figures(outcomes: list[Outcome], tenants: list[TenantSpec], horizon_s: float, events: Any = ()) -> dict[str, Any]:
     """Per tenant: the whole run and each phase."""
-    spans = phases(tenants, horizon_s)
+    spans = phases(tenants, horizon_s, events)
     out: dict[str, Any] = {}
     for spec in sorted(tenants, key=lambda t: t.name):
         mine = [o for o in outcomes if o.tenant == spec.name]
@@ -179,4 +180,80 @@ def exp1_shape(arms: dict[str, dict[str, Any]], tenants: list[TenantSpec]) -> li
                 rate = per[name]["all"]["throttle_rate"]
                 checks.append({"arm": arm, "check": f"{name}: spot throttled", "value": rate,
                                "holds": bool(rate)})
+    return checks
+
+
+def sim_dynamics(simulation: Simulation) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """Debt and priority per entitlement over time, as the simulated ledger's tick recorded them."""
+    samples = getattr(simulation.cluster.admission, "debt_samples", [])
+    debt: dict[str, list[list[float]]] = {}
+    priority: dict[str, list[list[float]]] = {}
+    for sample in samples:
+        for name, value in sample.debt.items():
+            debt.setdefault(name, []).append([round(sample.time, 3), round(value, 5)])
+        for name, value in sample.priority.items():
+            priority.setdefault(name, []).append([round(sample.time, 3), round(value, 4)])
+    return debt, priority
+
+
+def live_dynamics(samples: list[dict[str, Any]]) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """Debt and priority per entitlement over time, from the gateway's `/metrics` (what its store holds)."""
+    series: dict[str, dict[str, list[list[float]]]] = {"debt": {}, "priority": {}}
+    for sample in samples:
+        for key, value in sample.items():
+            for kind in series:
+                prefix = f"tokenpools_entitlement_{kind}{{"
+                if key.startswith(prefix) and 'entitlement="' in key:
+                    name = key.split('entitlement="', 1)[1].split('"', 1)[0]
+                    series[kind].setdefault(name, []).append([sample["t"], round(float(value), 5)])
+    return series["debt"], series["priority"]
+
+
+def debt_decay_s(debt: dict[str, list[list[float]]], recovered_at: float, fraction: float = 0.1) -> float | None:
+    """Seconds after `recovered_at` until every entitlement's debt is within `fraction` of its peak (or at
+    or below zero); None if it never gets there in the run."""
+    peaks = {name: max((v for _t, v in points), default=0.0) for name, points in debt.items()}
+    times = sorted({t for points in debt.values() for t, _v in points if t >= recovered_at})
+    for when in times:
+        if all(_at(points, when) <= max(0.0, fraction * peaks[name]) for name, points in debt.items()):
+            return round(when - recovered_at, 2)
+    return None
+
+
+def _at(points: list[list[float]], when: float) -> float:
+    value = 0.0
+    for t, v in points:
+        if t > when:
+            break
+        value = v
+    return value
+
+
+def exp2_shape(arms: dict[str, dict[str, Any]], tenants: list[TenantSpec],
+               outage: tuple[float, float]) -> list[dict[str, Any]]:
+    """Seed 000's Experiment 2 claims on each arm with admission: the tightest-SLO entitlement is not denied
+    for priority, the loosest absorbs the throttling, debt rises during the outage and decays after it."""
+    slo = {t.name: float(t.slo_target_ms or t.entitlement.get("slo_target_ms", 1000.0)) for t in tenants}
+    tightest, loosest = min(slo, key=slo.__getitem__), max(slo, key=slo.__getitem__)
+    start, end = outage
+    checks: list[dict[str, Any]] = []
+    for arm, result in arms.items():
+        if not result["admission"]:
+            continue
+        per = result["figures"]
+        contended = {name: per[name]["all"]["denials"].get("pool_contended", 0) for name in per}
+        checks.append({"arm": arm, "check": f"{tightest} (tightest SLO): no pool_contended denials",
+                       "value": contended[tightest], "holds": contended[tightest] == 0})
+        checks.append({"arm": arm, "check": f"{loosest} (loosest SLO) absorbs the most pool_contended denials",
+                       "value": contended[loosest],
+                       "holds": contended[loosest] > 0 and contended[loosest] == max(contended.values())})
+        debt = result.get("debt") or {}
+        if debt:
+            before = max((v for points in debt.values() for t, v in points if t < start), default=0.0)
+            during = max((v for points in debt.values() for t, v in points if start <= t < end), default=0.0)
+            checks.append({"arm": arm, "check": "debt rises during the outage (peak during > peak before, > 0.01)",
+                           "value": round(during, 4), "holds": during > max(before, 0.0) + 0.01})
+            decay = debt_decay_s(debt, end)
+            checks.append({"arm": arm, "check": "debt decays after recovery (s to within 10% of its peak)",
+                           "value": decay, "holds": decay is not None})
     return checks

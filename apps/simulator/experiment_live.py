@@ -144,7 +144,40 @@ def operator_hooks(url: str, token: str) -> tuple[Callable[[TenantSpec], Awaitab
     return join, leave
 
 
-SAMPLED = ("gateway_store_in_flight", "flow_control_pool_saturation", "flow_control_pool_budget")
+SAMPLED = ("gateway_store_in_flight", "flow_control_pool_saturation", "flow_control_pool_budget",
+           "tokenpools_entitlement_debt", "tokenpools_entitlement_priority")
+
+
+def enabled_replicas(events: list[Any], when: float, replicas: int, slots_per_replica: int) -> list[bool]:
+    """Which replicas the scenario's capacity events leave enabled at `when`: a `slots` event becomes that
+    many slots' worth of whole replicas; `remove` / `restore` name instances."""
+    enabled = [True] * replicas
+    for event in sorted(events, key=lambda e: e.at):
+        if event.at > when:
+            break
+        if event.action == "slots":
+            keep = max(0, min(replicas, -(-event.slots // slots_per_replica)))
+            enabled = [i < keep for i in range(replicas)]
+        else:
+            for index in event.instances:
+                if 0 <= index < replicas:
+                    enabled[index] = event.action == "restore"
+    return enabled
+
+
+async def operate_capacity(url: str, token: str, backend: Backend, events: list[Any], slots_per_replica: int,
+                           started: float) -> None:
+    """Carry out the scenario's capacity events as an operator would: disable and re-enable replicas of the
+    pool through the REST API at the events' times."""
+    headers = {"Authorization": f"Token {token}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+        for event in sorted(events, key=lambda e: e.at):
+            await asyncio.sleep(max(0.0, started + event.at - time.monotonic()))
+            flags = enabled_replicas(events, event.at, len(backend.urls), slots_per_replica)
+            body = {"replicas": [{"url": u, "enabled": on} for u, on in zip(backend.urls, flags, strict=True)]}
+            response = await client.patch(f"/api/v1/pools/{POOL}/", json=body)
+            if response.status_code != 200:
+                raise RuntimeError(f"capacity event at {event.at} s failed: {response.text}")
 
 
 async def sample_metrics(url: str, horizon_s: float, samples: list[dict[str, Any]]) -> None:
@@ -181,7 +214,8 @@ async def _with_progress(work: Awaitable[list[LiveRecord]], horizon_s: float, la
 
 
 def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, progress: bool = True,
-            redis_url: str | None = None, samples: list[dict[str, Any]] | None = None) -> list[LiveRecord]:
+            redis_url: str | None = None, samples: list[dict[str, Any]] | None = None,
+            slots_per_replica: int | None = None) -> list[LiveRecord]:
     """One live arm of the (already scaled) scenario; returns every request's record. With a gateway,
     `samples` collects its `/metrics` view once a second."""
     config = scenario.config
@@ -194,8 +228,12 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
         return asyncio.run(_with_progress(workload.run(), horizon, arm, progress))
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
+    per_replica = slots_per_replica or config.max_num_seqs
+    if config.capacity_events and len(backend.urls) < 2:
+        raise ValueError("a scenario with capacity events needs at least 2 replicas live (--backend virtual "
+                         "--replicas 2): one is taken out and brought back")
     manifest = scenario_manifest(config.tenants, pool=POOL, owner=OWNER, backend_urls=list(backend.urls),
-                                 slots_per_replica=config.max_num_seqs, model=backend.model)
+                                 slots_per_replica=per_replica, model=backend.model)
     site = prepare_site(workdir, tenants=[OWNER], manifest=manifest,
                         key_for=[t.name for t in config.tenants if t.start == 0])
     token = admin_token(site.env)
@@ -211,12 +249,18 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
                                 horizon_s=horizon, on_join=join, on_leave=leave)
 
         async def both() -> list[LiveRecord]:
-            sampler = asyncio.ensure_future(sample_metrics(url, horizon, samples if samples is not None else []))
+            helpers = [asyncio.ensure_future(sample_metrics(url, horizon, samples if samples is not None else []))]
+            if config.capacity_events:
+                helpers.append(asyncio.ensure_future(operate_capacity(
+                    url, token, backend, list(config.capacity_events), per_replica, time.monotonic())))
             try:
                 return await _with_progress(workload.run(), horizon, arm, progress)
             finally:
-                sampler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sampler
+                for helper in helpers:
+                    if helper.done() and not helper.cancelled() and helper.exception() is not None:
+                        raise helper.exception()  # type: ignore[misc]
+                    helper.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await helper
 
         return asyncio.run(both())

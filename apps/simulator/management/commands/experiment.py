@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,14 @@ from django.core.management.base import BaseCommand, CommandError
 from apps.simulator.cli import run_simulation
 from apps.simulator.experiment import (
     exp1_shape,
+    exp2_shape,
     figures,
     in_flight_series,
+    live_dynamics,
     live_outcomes,
     phases,
     scale_scenario,
+    sim_dynamics,
     sim_outcomes,
     ttft_p99_windows,
 )
@@ -40,7 +44,7 @@ def _arm_result(outcomes: list[Any], scenario: Scenario, *, side: str, admission
     assert config.horizon_s is not None
     names = [t.name for t in config.tenants]
     return {"side": side, "admission": admission,
-            "figures": figures(outcomes, config.tenants, float(config.horizon_s)),
+            "figures": figures(outcomes, config.tenants, float(config.horizon_s), config.capacity_events),
             "in_flight": in_flight_series(outcomes, names, float(config.horizon_s)),
             "ttft_windows": ttft_p99_windows(outcomes, names, float(config.horizon_s))}
 
@@ -125,9 +129,14 @@ class Command(BaseCommand):
         from apps.simulator.experiment_live import calibrate_decode_ms, private_redis, run_arm
 
         sized = scale_scenario(scenario, capacity_scale=capacity)
-        if options["backend"] == "virtual":
-            # The virtual replicas run the scaled scenario's own step times (nothing to measure).
+        replicas = max(1, int(options["replicas"]))
+        per_replica = sized.config.max_num_seqs
+        if options["backend"] == "virtual" and not options["backend_url"]:
+            # The virtual replicas run the scaled scenario's own step times (nothing to measure), the pool's
+            # slots split among them (a capacity event then takes whole replicas out).
             sized = scale_scenario(scenario, time_scale=float(options["time_scale"]), capacity_scale=capacity)
+            per_replica = max(1, sized.config.max_num_seqs // replicas)
+            sized = replace(sized, config=replace(sized.config, max_num_seqs=per_replica))
         with self._backend(options, sized) as backend:
             report["backend"] = options["backend"] + (f" x{options['replicas']}" if options["backend"] == "virtual"
                                                       else "")
@@ -148,12 +157,13 @@ class Command(BaseCommand):
                 if arm == "redis":
                     with private_redis() as redis_url:
                         records = run_arm(arm, scaled, backend, out / arm, progress=not options["no_progress"],
-                                          redis_url=redis_url, samples=samples)
+                                          redis_url=redis_url, samples=samples, slots_per_replica=per_replica)
                 else:
                     records = run_arm(arm, scaled, backend, out / arm, progress=not options["no_progress"],
-                                      samples=samples)
+                                      samples=samples, slots_per_replica=per_replica)
                 result = _arm_result(live_outcomes(records), scaled, side="live", admission=arm != "no-admission")
                 result["gateway_samples"] = samples
+                result["debt"], result["priority"] = live_dynamics(samples)
                 report["arms"][f"live {arm}"] = result
         return self._finish(scaled, report)
 
@@ -172,13 +182,20 @@ class Command(BaseCommand):
         for label, spec, admission in (("sim token-pools", dict(scaled.admission), True),
                                        ("sim no-admission", {"policy": "none"}, False)):
             simulation = run_simulation(scaled, spec)
-            report["arms"][label] = _arm_result(sim_outcomes(simulation), scaled, side="sim", admission=admission)
+            result = _arm_result(sim_outcomes(simulation), scaled, side="sim", admission=admission)
+            result["debt"], result["priority"] = sim_dynamics(simulation)
+            report["arms"][label] = result
 
     def _finish(self, scaled: Scenario, report: dict[str, Any]) -> dict[str, Any]:
         config = scaled.config
         assert config.horizon_s is not None
         report["horizon_s"] = float(config.horizon_s)
-        report["phases"] = phases(config.tenants, float(config.horizon_s))
+        report["phases"] = phases(config.tenants, float(config.horizon_s), config.capacity_events)
         report["slo_ms"] = {t.name: t.slo_target_ms or 1000.0 for t in config.tenants}
-        report["shape"] = exp1_shape(report["arms"], config.tenants)
+        if config.capacity_events:
+            outage = (min(e.at for e in config.capacity_events), max(e.at for e in config.capacity_events))
+            report["outage_s"] = outage
+            report["shape"] = exp2_shape(report["arms"], config.tenants, outage)
+        else:
+            report["shape"] = exp1_shape(report["arms"], config.tenants)
         return report
