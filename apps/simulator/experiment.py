@@ -255,5 +255,5 @@ def exp2_shape(arms: dict[str, dict[str, Any]], tenants: list[TenantSpec],
                            "value": round(during, 4), "holds": during > max(before, 0.0) + 0.01})
             decay = debt_decay_s(debt, end)
             checks.append({"arm": arm, "check": "debt decays after recovery (s to within 10% of its peak)",
-                           "value": decay, "holds": decay is not None})
+                           "value": decay, "holds": decay is not None and during > 0.01})
     return checks

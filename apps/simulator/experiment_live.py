@@ -234,6 +234,8 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
                          "--replicas 2): one is taken out and brought back")
     manifest = scenario_manifest(config.tenants, pool=POOL, owner=OWNER, backend_urls=list(backend.urls),
                                  slots_per_replica=per_replica, model=backend.model)
+    # Each arm on a fresh database and pool, also when a report folder is used again.
+    (workdir / "site.sqlite3").unlink(missing_ok=True)
     site = prepare_site(workdir, tenants=[OWNER], manifest=manifest,
                         key_for=[t.name for t in config.tenants if t.start == 0])
     token = admin_token(site.env)
