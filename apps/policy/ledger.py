@@ -341,29 +341,10 @@ class AdmissionLedger:
 
         `limits`, when given, are the entitlement's limits as the caller sees them now (the gateway's
         snapshot, with the backend's context window); they replace the stored ones first."""
+        if quota is not None:
+            return self._request_under_quota(entitlement_id, request, now, limits, quota)
         counters = self.counters
         counters.offered += 1
-        if request.request_id in self._requests:
-            return self._rejected(
-                None, AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
-                                        retryable=False, check=0)
-            )
-        if quota is None:
-            return self._offer(entitlement_id, request, now, limits)
-        verdict = self.quotas.reserve(quota)
-        if not verdict.admitted:
-            rejected = self._rejected(None, quota_refusal(verdict, quota))
-            return LedgerResult(rejected.decision, quota=verdict)
-        result = self._offer(entitlement_id, request, now, limits)
-        if not (result.decision.admitted or result.decision.queued):
-            self.quotas.refund(request.request_id)
-            verdict = self.quotas.verdict(quota)
-        return LedgerResult(result.decision, result.started, result.evicted, verdict)
-
-    def _offer(
-        self, entitlement_id: str, request: AdmissionRequest, now: float, limits: EntitlementLimits | None
-    ) -> LedgerResult:
-        counters = self.counters
         record = self._entitlements.get(entitlement_id)
         if limits is not None and (record is None or (limits is not record.limits and limits != record.limits)):
             self.upsert_entitlement(limits, now)
@@ -372,6 +353,11 @@ class AdmissionLedger:
             return self._rejected(
                 None, AdmissionDecision(False, Reason.ENTITLEMENT_NOT_BOUND.value, self.config.never_retry_s,
                                         retryable=False, check=1)
+            )
+        if request.request_id in self._requests:
+            return self._rejected(
+                None, AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
+                                        retryable=False, check=0)
             )
         decision = admit(record.limits, self.usage(entitlement_id, now), self.pool_usage(), request, self.config)
         if not decision.admitted and not decision.queued:
@@ -401,6 +387,23 @@ class AdmissionLedger:
             evicted, started = self._evict_for(entry, now)
         started.extend(self._drain(now))
         return LedgerResult(decision, started=tuple(started), evicted=tuple(evicted))
+
+    def _request_under_quota(self, entitlement_id: str, request: AdmissionRequest, now: float,
+                             limits: EntitlementLimits | None, quota: QuotaClaim) -> LedgerResult:
+        """The quota's reservation first (refused: quota_exceeded, before the five checks), then the offer;
+        an offer the checks reject gives the reservation back."""
+        if request.request_id in self._requests:
+            return self.request(entitlement_id, request, now, limits)  # rejected as a duplicate, quota untouched
+        verdict = self.quotas.reserve(quota)
+        if not verdict.admitted:
+            self.counters.offered += 1
+            rejected = self._rejected(None, quota_refusal(verdict, quota))
+            return LedgerResult(rejected.decision, quota=verdict)
+        result = self.request(entitlement_id, request, now, limits)
+        if not (result.decision.admitted or result.decision.queued):
+            self.quotas.refund(request.request_id)
+            verdict = self.quotas.verdict(quota)
+        return LedgerResult(result.decision, result.started, result.evicted, verdict)
 
     def release(
         self, request_id: str, now: float, output_tokens: float | None = None, prompt_tokens: float | None = None
