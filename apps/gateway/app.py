@@ -6,10 +6,12 @@ A `/v1/chat/completions` (or `/v1/completions`) request, top to bottom in `Gatew
     parse          parse.py       read and validate the body and the llm-d headers
     count tokens   tokens.py      the prompt's tokens (the backend's /tokenize, cached; else an estimate)
     admit or wait  admission.py   the pool's admission state machine (state.py: memory_state.py, or
-                                  redis_state.py with lua/), then a slot of the dispatch budget (scheduler.py)
+                                  redis_state.py with lua/), the request's quotas reserved first (the key's
+                                  rules from quotas.py), then a slot of the dispatch budget (scheduler.py)
     route          upstream.py    a healthy replica, fewest outstanding requests first (routing.py)
     relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT
-    account        account.py     the hold given back (unused tokens refunded), usage and metrics recorded
+    account        account.py     the hold given back (unused tokens and quota refunded), usage and metrics
+                                  recorded
 
 No Django request objects, middleware or ORM on this path: Django only loads snapshots and flushes usage,
 in threads. What the process runs besides requests (snapshot refresh, health probes, lease renewal, the
