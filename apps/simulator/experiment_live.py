@@ -125,21 +125,30 @@ def operator_hooks(url: str, token: str) -> tuple[Callable[[TenantSpec], Awaitab
     and leaves (delete the entitlement)."""
     headers = {"Authorization": f"Token {token}"}
 
+    async def call(client: httpx.AsyncClient, method: str, path: str, expected: int, what: str,
+                   **kwargs: Any) -> httpx.Response:
+        # An operator tries again when the site answers 5xx (SQLite shared by two workers can be busy).
+        for attempt in range(5):
+            response = await client.request(method, path, **kwargs)
+            if response.status_code == expected:
+                return response
+            if response.status_code < 500:
+                break
+            await asyncio.sleep(0.5 * (attempt + 1))
+        raise RuntimeError(f"{what} failed ({response.status_code}): {response.text[:300]}")
+
     async def join(tenant: TenantSpec) -> str:
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
-            created = await client.post("/api/v1/entitlements/", json=live_entitlement(tenant, pool=POOL, owner=OWNER))
-            if created.status_code != 201:
-                raise RuntimeError(f"creating {tenant.name}'s entitlement failed: {created.text}")
-            key = await client.post("/api/v1/keys/", json={"entitlement": tenant.name, "name": "live"})
-            if key.status_code != 201:
-                raise RuntimeError(f"creating {tenant.name}'s key failed: {key.text}")
+            await call(client, "POST", "/api/v1/entitlements/", 201, f"creating {tenant.name}'s entitlement",
+                       json=live_entitlement(tenant, pool=POOL, owner=OWNER))
+            key = await call(client, "POST", "/api/v1/keys/", 201, f"creating {tenant.name}'s key",
+                             json={"entitlement": tenant.name, "name": "live"})
             return str(key.json()["secret"])
 
     async def leave(tenant: TenantSpec) -> None:
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
-            gone = await client.delete(f"/api/v1/entitlements/{tenant.name}/")
-            if gone.status_code != 204:
-                raise RuntimeError(f"deleting {tenant.name}'s entitlement failed: {gone.text}")
+            await call(client, "DELETE", f"/api/v1/entitlements/{tenant.name}/", 204,
+                       f"deleting {tenant.name}'s entitlement")
 
     return join, leave
 

@@ -128,9 +128,13 @@ class LiveWorkload:
             for task in lifecycle:
                 task.cancel()
             running = [task for tenant in self.tenants.values() for task in tenant.tasks]
-            await asyncio.gather(sender, *lifecycle, return_exceptions=True)
+            ended = await asyncio.gather(sender, *lifecycle, return_exceptions=True)
             # Requests sent before the horizon end as they end; nothing new is sent.
             await asyncio.gather(*running, return_exceptions=True)
+        # A join or leave that failed (the operator's REST call) invalidates the run: say so, loudly.
+        for outcome in ended:
+            if isinstance(outcome, Exception):
+                raise outcome
         return self.records
 
     # --- tenants joining and leaving ---------------------------------------------------------------------
