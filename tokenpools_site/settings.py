@@ -95,8 +95,10 @@ DATABASES = {
     )
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
-    # Binding locks the pool row; on SQLite a write transaction takes the whole file, wait for it.
-    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 20
+    # Binding locks the pool row; on SQLite a write transaction takes the whole file, wait for it. IMMEDIATE:
+    # a transaction takes the write lock when it begins, so two processes (serve --workers 2) wait for each
+    # other instead of one failing at once with "database is locked" when its read turns into a write.
+    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
 
 REDIS_URL = env_str("REDIS_URL", "")
 
