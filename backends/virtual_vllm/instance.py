@@ -380,6 +380,12 @@ class Instance:
         self.sequence_seconds += len(running) * count * dt
         self.loop.at(self.batch_start + count * dt, self._end_batch, self.version)
 
+    def next_step_end(self) -> float | None:
+        """When the step in progress ends (the next instant a sequence can have a new token); None when idle."""
+        if not self.busy or self.step_dt <= 0:
+            return None
+        return self.batch_start + min(self.batch_steps, self._steps_elapsed() + 1) * self.step_dt
+
     def _steps_elapsed(self) -> int:
         if self.step_dt <= 0:
             return self.batch_steps

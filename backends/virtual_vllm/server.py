@@ -59,6 +59,12 @@ class RealTimeLoop:
         self.at(self.time + delay, callback, *args)
 
 
+# A stream waiting on an idle engine looks again this often; one waiting on a step looks this long after
+# the step's end (the engine's step-end callback runs at that instant on the same event loop).
+IDLE_POLL_S = 0.005
+STEP_END_SLACK_S = 0.001
+
+
 @dataclass
 class ServerConfig:
     model: str = "virtual-vllm"
@@ -296,6 +302,16 @@ class VirtualVllm:
         if listener in done:
             raise _ClientGone
 
+    def _until_next_token(self, instance: Instance) -> float:
+        """Real seconds to sleep before a stream looks for new tokens: until just after the step in progress
+        ends. (Sleeping a whole step from whenever the stream last looked put each token out up to a step late,
+        half a step on average for a request arriving at a random instant, which the simulator does not do.)"""
+        assert self.loop is not None
+        ends = instance.next_step_end()
+        if ends is None:
+            return IDLE_POLL_S
+        return max(0.0, ends - self.loop.time) / self.config.time_scale + STEP_END_SLACK_S
+
     async def _stream(self, send: Send, receive: Receive, tracked: _Tracked, ident: str, created: int, model: str,
                       chat: bool, include_usage: bool, usage: dict[str, int]) -> None:  # fmt: skip
         instance = self.instance
@@ -352,11 +368,8 @@ class VirtualVllm:
                     continue
                 if tracked.done.is_set() and request.finished_at is None:
                     break  # dropped by the engine (e.g. a prompt larger than the KV cache)
-                step = instance.step_dt if instance.busy and instance.step_dt > 0 else 0.005
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        asyncio.shield(tracked.done.wait()), timeout=max(0.002, step / self.config.time_scale)
-                    )
+                    await asyncio.wait_for(asyncio.shield(tracked.done.wait()), timeout=self._until_next_token(instance))
             if include_usage and sent >= total:
                 await event({"id": ident, "object": kind, "created": created, "model": model, "choices": [],
                              "usage": usage})  # fmt: skip
