@@ -4,14 +4,16 @@ straight against the backend (no admission control at all).
 
 Arms: `token-pools` (the in-process store, one process), `redis` (the Redis store, `serve --workers 2`, a
 private Redis), `no-admission` (the same clients straight to the backend: nothing is refused, the backend
-queues what it cannot run). Backends: `vllm-cpu` (one real vLLM serving the project's tiny model) or
-`virtual` (N virtual vLLM replicas with the scenario's latency model, e.g. the H100 roofline).
+queues what it cannot run). Backends: `vllm-cpu` (N real vLLMs serving the project's tiny model, each on a
+core of its own when there are several) or `virtual` (N virtual vLLM replicas with the scenario's latency
+model, e.g. the H100 roofline).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -58,14 +60,20 @@ def virtual_vllm_cmd(config: SimConfig, port: int, model: str) -> list[str]:
 
 @contextlib.contextmanager
 def live_backend(kind: str, config: SimConfig, replicas: int = 1) -> Iterator[Backend]:
-    if kind == "vllm-cpu":
-        with running_vllm(max_num_seqs=config.max_num_seqs) as (url, _process):
-            yield Backend((url,), SERVED_MODEL_NAME)
-        return
-    if kind != "virtual":
+    if kind not in BACKENDS:
         raise ValueError(f"unknown backend {kind!r}; one of {', '.join(BACKENDS)}")
     with contextlib.ExitStack() as stack:
         urls = []
+        if kind == "vllm-cpu":
+            # One core each when there are several: replicas that share the machine's cores would slow
+            # each other down, and taking one out would then speed the other up (not a capacity drop).
+            cores = os.cpu_count() or 1
+            for index in range(replicas):
+                url, _process = stack.enter_context(running_vllm(
+                    max_num_seqs=config.max_num_seqs, pin_cpu=index % cores if replicas > 1 else None))
+                urls.append(url)
+            yield Backend(tuple(urls), SERVED_MODEL_NAME)
+            return
         for _ in range(replicas):
             port = free_port()
             url, _process = stack.enter_context(running_http_server(
@@ -75,14 +83,14 @@ def live_backend(kind: str, config: SimConfig, replicas: int = 1) -> Iterator[Ba
 
 
 def calibrate_decode_ms(backend: Backend, *, streams: int, prompt_tokens: int, output_tokens: int) -> float:
-    """Milliseconds per output token of one stream while `streams` run together (the backend's decode step
-    with a full batch), the median over the streams, after one warm-up round."""
+    """Milliseconds per output token of one stream while `streams` run together on every replica (the
+    backend's decode step with full batches), the median over the streams, after one warm-up round."""
 
-    async def one(client: httpx.AsyncClient) -> float:
+    async def one(client: httpx.AsyncClient, url: str) -> float:
         body = {"model": backend.model, "prompt": " ".join(["hello"] * prompt_tokens), "max_tokens": output_tokens,
                 "stream": True, "ignore_eos": True}
         first: float | None = None
-        async with client.stream("POST", backend.urls[0] + "/v1/completions", json=body) as response:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if first is None and line.startswith("data: {"):
@@ -91,9 +99,11 @@ def calibrate_decode_ms(backend: Backend, *, streams: int, prompt_tokens: int, o
         return (time.monotonic() - first) * 1000.0 / max(1, output_tokens - 1)
 
     async def rounds() -> float:
+        # Every replica at once, each with a full batch: the speed each has while the others run too.
+        urls = backend.urls
         async with httpx.AsyncClient(timeout=300) as client:
-            await asyncio.gather(*(one(client) for _ in range(streams)))
-            return statistics.median(await asyncio.gather(*(one(client) for _ in range(streams))))
+            await asyncio.gather(*(one(client, url) for url in urls for _ in range(streams)))
+            return statistics.median(await asyncio.gather(*(one(client, url) for url in urls for _ in range(streams))))
 
     return asyncio.run(rounds())
 
@@ -232,15 +242,15 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
     horizon = float(config.horizon_s)
     workdir.mkdir(parents=True, exist_ok=True)
     if arm == "no-admission":
-        workload = LiveWorkload(config.tenants, url=backend.urls[0], keys=dict.fromkeys(
+        workload = LiveWorkload(config.tenants, url=backend.urls, keys=dict.fromkeys(
             (t.name for t in config.tenants), "none"), model=backend.model, seed=config.seed, horizon_s=horizon)
         return asyncio.run(_with_progress(workload.run(), horizon, arm, progress))
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; one of {', '.join(ARMS)}")
     per_replica = slots_per_replica or config.max_num_seqs
     if config.capacity_events and len(backend.urls) < 2:
-        raise ValueError("a scenario with capacity events needs at least 2 replicas live (--backend virtual "
-                         "--replicas 2): one is taken out and brought back")
+        raise ValueError("a scenario with capacity events needs at least 2 replicas live (--replicas 2): one is "
+                         "taken out and brought back")
     manifest = scenario_manifest(config.tenants, pool=POOL, owner=OWNER, backend_urls=list(backend.urls),
                                  slots_per_replica=per_replica, model=backend.model)
     # Each arm on a fresh database and pool, also when a report folder is used again.

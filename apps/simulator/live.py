@@ -17,10 +17,11 @@ the simulator's summary format.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +89,7 @@ class LiveWorkload:
         self,
         tenants: list[TenantSpec],
         *,
-        url: str,
+        url: str | Sequence[str],
         keys: Mapping[str, str],
         model: str,
         seed: int,
@@ -99,7 +100,8 @@ class LiveWorkload:
         max_connections: int = 512,
     ) -> None:
         self.tenants = {t.name: _Tenant(t, keys.get(t.name), random.Random(f"{seed}:{t.name}")) for t in tenants}
-        self.url = url.rstrip("/")
+        # One URL (a gateway), or several backends taken in turn (no admission control in front of replicas).
+        self._urls = itertools.cycle([u.rstrip("/") for u in ([url] if isinstance(url, str) else url)])
         self.model = model
         self.seed = seed
         self.horizon_s = horizon_s
@@ -221,7 +223,7 @@ class LiveWorkload:
         name = tenant.spec.name
         headers = {"Authorization": f"Bearer {tenant.key}"}
         try:
-            async with self._client.stream("POST", self.url + "/v1/completions", json=body,
+            async with self._client.stream("POST", next(self._urls) + "/v1/completions", json=body,
                                            headers=headers) as response:
                 if response.status_code != 200:
                     await response.aread()

@@ -98,3 +98,35 @@ def test_bad_options_are_named() -> None:
         call_command("experiment", "--scenario", str(EXP1), "--time-scale", "-1")
     with pytest.raises(CommandError, match="missing.yaml"):
         call_command("experiment", "--scenario", "missing.yaml")
+
+
+def test_the_no_admission_arm_and_the_calibration_use_every_replica() -> None:
+    import asyncio
+    import re
+    from dataclasses import replace
+
+    import httpx
+
+    from apps.simulator.experiment_live import calibrate_decode_ms, live_backend
+    from apps.simulator.live import LiveWorkload
+    from apps.simulator.workload import LengthSpec, TenantSpec
+
+    config = replace(load_scenario(EXP1).config, max_num_seqs=4, latency_model="fixed", decode_ms_per_token=2.0,
+                     prefill_ms_per_token=0.0)
+    tenant = TenantSpec("closed", concurrency=2, input=LengthSpec("fixed", 8), output=LengthSpec("fixed", 4))
+
+    def served(url: str) -> float:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        return sum(float(v) for v in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.M))
+
+    with live_backend("virtual", config, replicas=2) as backend:
+        assert len(backend.urls) == 2
+        assert calibrate_decode_ms(backend, streams=2, prompt_tokens=8, output_tokens=4) > 0
+        calibrated = [served(url) for url in backend.urls]
+        assert all(count >= 4 for count in calibrated), calibrated  # 2 rounds of 2 streams on each replica
+        workload = LiveWorkload([tenant], url=backend.urls, keys={"closed": "none"}, model=backend.model, seed=1,
+                                horizon_s=1.0)
+        records = asyncio.run(workload.run())
+        after = [served(url) - before for url, before in zip(backend.urls, calibrated, strict=True)]
+    assert records and all(r.status == 200 for r in records)
+    assert all(count >= len(records) / 3 for count in after), (after, len(records))  # taken in turn

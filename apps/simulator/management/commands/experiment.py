@@ -67,7 +67,8 @@ class Command(BaseCommand):
         parser.add_argument("--arms", default="token-pools,no-admission",
                             help="live arms, comma-separated: token-pools, redis, no-admission")
         parser.add_argument("--backend", choices=("vllm-cpu", "virtual"), default="vllm-cpu")
-        parser.add_argument("--replicas", type=int, default=1, help="virtual vLLM replicas (--backend virtual)")
+        parser.add_argument("--replicas", type=int, default=1, help="backend replicas (virtual vLLMs, or vllm-cpu processes one core each); the pool's "
+                                 "slots are split among them")
         parser.add_argument("--backend-url", action="append", default=[],
                             help="use this running backend instead of starting one (repeat for replicas)")
         parser.add_argument("--served-model", default=None, help="the model name --backend-url serves")
@@ -137,9 +138,12 @@ class Command(BaseCommand):
             sized = scale_scenario(scenario, time_scale=float(options["time_scale"]), capacity_scale=capacity)
             per_replica = max(1, sized.config.max_num_seqs // replicas)
             sized = replace(sized, config=replace(sized.config, max_num_seqs=per_replica))
+        elif options["backend"] == "vllm-cpu" and not options["backend_url"] and replicas > 1:
+            # The pool's slots split among the real replicas too (`--max-num-seqs` each).
+            per_replica = max(1, sized.config.max_num_seqs // replicas)
+            sized = replace(sized, config=replace(sized.config, max_num_seqs=per_replica))
         with self._backend(options, sized) as backend:
-            report["backend"] = options["backend"] + (f" x{options['replicas']}" if options["backend"] == "virtual"
-                                                      else "")
+            report["backend"] = f"{options['backend']} x{len(backend.urls)}"
             if options["time_scale"] == "auto":
                 first = sized.config.tenants[0]
                 measured = calibrate_decode_ms(backend, streams=sized.config.max_num_seqs,
