@@ -36,6 +36,7 @@ from apps.dashboard.forms import (
     TenantForm,
     add_service_errors,
 )
+from apps.gateway.quotas import entitlement_quota_status, tenant_quota_status
 from apps.operations import tenants as tenant_operations
 from apps.pools import selectors as pool_selectors
 from apps.pools import services as pool_services
@@ -202,6 +203,8 @@ def entitlement_detail(request: AuthenticatedRequest, name: str) -> HttpResponse
             "history": pool_selectors.entitlement_state_changes(user=request.user, entitlement=entitlement),
             "keys": keys,
             "can_edit": role == Role.OWNER,
+            "quota": entitlement_quota_status(entitlement),
+            "tenant_quota": tenant_quota_status(entitlement.tenant),
         },
     )
 
@@ -420,6 +423,7 @@ def tenant_detail(request: AuthenticatedRequest, slug: str) -> HttpResponse:
             "entitlements": pool_selectors.entitlement_list(user=request.user, tenant=tenant),
             "keys": tenancy_selectors.apikey_list(user=request.user, tenant=tenant),
             "membership_form": MembershipForm(),
+            "quota": tenant_quota_status(tenant),
         },
     )
 

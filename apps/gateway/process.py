@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -49,6 +50,8 @@ class ProcessLoops:
         self.store_in_flight: dict[tuple[str, ...], float] = {}
         # (pool, entitlement) -> (debt, burst, priority of a request now), as last read from the store.
         self.store_dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
+        # (entitlement, quota: entitlement|tenant, unit) -> (used, reserved, limit) in the current window.
+        self.store_quotas: dict[tuple[str, str, str], tuple[float, float, float]] = {}
 
     def start(self) -> None:
         gateway = self.gateway
@@ -201,10 +204,30 @@ class ProcessLoops:
                     priority = request_priority(limits.traits, limits.slo_target_ms, pool.mean_slo_ms, usage.burst,
                                                 usage.debt, store.config)
                     dynamics[(pool.name, limits.entitlement_id)] = (usage.debt, usage.burst, priority)
+            quotas = await self._quota_view(snapshot)
         except StateStoreUnavailable:
             return  # keep the last view: the store's own state did not change by being unreachable
         self.store_in_flight = view
         self.store_dynamics = dynamics
+        self.store_quotas = quotas
+
+    async def _quota_view(self, snapshot: Any) -> dict[tuple[str, str, str], tuple[float, float, float]]:
+        """Each quota'd entitlement's quotas as the store holds them now (every process together)."""
+        store = self.gateway.store
+        assert store is not None
+        now = dt.datetime.now(dt.UTC)
+        seen: set[str] = set()
+        view: dict[tuple[str, str, str], tuple[float, float, float]] = {}
+        for entry in list(snapshot.keys.values()):
+            if not entry.quotas or entry.entitlement in seen:
+                continue
+            seen.add(entry.entitlement)
+            charges = [rule.charge_at(now) for rule in entry.quotas]
+            for standing in await store.quota_standings(scope=str(entry.tenant_id), charges=charges):
+                charge = standing.charge
+                owner = "tenant" if charge.key == "tenant" else "entitlement"
+                view[(entry.entitlement, owner, charge.unit)] = (standing.used, standing.reserved, charge.limit)
+        return view
 
     async def retry_releases(self) -> int:
         return await self.gateway.accountant.retry_pending()
@@ -306,6 +329,18 @@ class ProcessLoops:
                 ("tokenpools_entitlement_burst", "Burst (seed 000, (3)) as the state store holds it."),
                 ("tokenpools_entitlement_priority", "Priority weight (seed 000, (1)) a request would get now."))):
             add(name, text, ("pool", "entitlement"), dynamics(index))
+        def quota(index: int, tokens: bool) -> Callable[[], dict[tuple[str, ...], float]]:
+            return lambda: {(ent, owner) if tokens else (ent, owner, unit): values[index]
+                            for (ent, owner, unit), values in self.store_quotas.items() if (unit == "tokens") == tokens}
+
+        for index, what in enumerate(("used", "reserved", "limit")):
+            text = {"used": "used by finished requests", "reserved": "reserved by requests running now",
+                    "limit": "the limit"}[what]
+            add(f"tokenpools_quota_{what}_tokens", f"Quota of the current window, {text} (the state store, every "
+                "process; quota: the entitlement's own or its tenant's).", ("entitlement", "quota"),
+                quota(index, tokens=True))
+            add(f"tokenpools_quota_{what}_amount", f"Money quota of the current window, {text}, in its currency.",
+                ("entitlement", "quota", "currency"), quota(index, tokens=False))
         add("gateway_store_in_flight", "Requests the state store holds in flight (every process together), "
             "as last read.", ("pool", "entitlement"), lambda: dict(self.store_in_flight))
 

@@ -84,7 +84,7 @@ class QuotaRules:
         tenant = ent.tenant
         if tenant.has_quota:
             if tenant.pk not in self._tenant_rules:
-                self._tenant_rules[tenant.pk] = self._tenant_rule(tenant, ent.pool)
+                self._tenant_rules[tenant.pk] = self.tenant_rule(tenant, ent.pool)
             shared = self._tenant_rules[tenant.pk]
             if shared is not None:
                 # The tenant's quota in this entitlement's pool's prices (money) with the tenant-wide seed.
@@ -94,14 +94,66 @@ class QuotaRules:
                                            weights[1], weights[2], shared.seed_window_id, shared.seed_used))
         return tuple(rules)
 
-    def _tenant_rule(self, tenant: Any, pool: Any) -> QuotaRule | None:
+    def tenant_rule(self, tenant: Any, pool: Any) -> QuotaRule | None:
+        """The tenant's quota, priced at `pool`'s prices when it is in money (any pool, or none, for tokens)."""
         weights_by_entitlement: dict[str, tuple[float, float]] = {}
         for ent in tenant.entitlements.select_related("pool"):
             weights = _weights(tenant, ent.pool)
             if weights is not None:
                 weights_by_entitlement[ent.name] = weights[:2]
-        owner_pool = pool if _weights(tenant, pool) is not None else None
-        if owner_pool is None:
+        if _weights(tenant, pool) is None:
             return None
-        return self._rule("tenant", tenant, owner_pool, tenant_id=tenant.pk, entitlement=None,
+        return self._rule("tenant", tenant, pool, tenant_id=tenant.pk, entitlement=None,
                           weights_by_entitlement=weights_by_entitlement)
+
+
+def quota_status(rule: QuotaRule | None, now: dt.datetime) -> dict[str, Any] | None:
+    """A quota as the REST API and the pages show it: limit, used (by the usage records: what finished
+    requests used, flushed every `GATEWAY_USAGE_FLUSH_S`; requests still running are not in it), remaining
+    and when the window resets."""
+    if rule is None:
+        return None
+    charge = rule.charge_at(now)
+    used = charge.seed_used
+    return {
+        "unit": charge.unit,
+        "window": rule.window,
+        "timezone": rule.timezone,
+        "window_id": charge.window_id,
+        "limit": _round(charge.limit),
+        "used": _round(used),
+        "remaining": _round(max(0.0, charge.limit - used)),
+        "used_percent": round(min(100.0, 100.0 * used / charge.limit), 1) if charge.limit > 0 else 100.0,
+        "resets_at": dt.datetime.fromtimestamp(charge.reset_at, dt.UTC).isoformat().replace("+00:00", "Z"),
+    }
+
+
+def _round(value: float) -> float | int:
+    # Tokens are whole; money keeps a hundredth of a cent.
+    return int(value) if float(value).is_integer() else round(value, 4)
+
+
+def entitlement_quota_status(ent: Any, now: dt.datetime | None = None) -> dict[str, Any] | None:
+    """The entitlement's own quota (its tenant's is on the tenant)."""
+    if not ent.has_quota:
+        return None
+    moment = now or dt.datetime.now(dt.UTC)
+    own = [r for r in QuotaRules(moment).for_entitlement(ent) if r.key == f"entitlement:{ent.name}"]
+    return quota_status(own[0] if own else None, moment)
+
+
+def tenant_quota_status(tenant: Any, now: dt.datetime | None = None) -> dict[str, Any] | None:
+    """The tenant's quota, shared by all its entitlements (a money quota at each one's pool's prices)."""
+    if not tenant.has_quota:
+        return None
+    moment = now or dt.datetime.now(dt.UTC)
+    rules = QuotaRules(moment)
+    pools = [ent.pool for ent in tenant.entitlements.select_related("pool")]
+    priced = next((pool for pool in pools if _weights(tenant, pool) is not None), None)
+    if priced is None and tenant.quota_is_money:
+        # A money quota with no entitlement in a pool priced in its currency: nothing can have been spent.
+        window_id, reset = quota_window_of(tenant.quota_window, tenant.quota_timezone, moment)
+        rule = QuotaRule("tenant", _limit(tenant), tenant.quota_window, tenant.quota_timezone,
+                         unit=tenant.quota_currency, seed_window_id=window_id)
+        return quota_status(rule, moment)
+    return quota_status(rules.tenant_rule(tenant, priced), moment)

@@ -20,20 +20,19 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from apps.operations.serializers import ApiKeyCreatedSerializer, ApiKeySerializer
+from apps.operations.serializers import ApiKeyCreatedSerializer, ApiKeySerializer, TenantWithQuotaSerializer
 from apps.operations.tenants import tenant_delete, tenant_save
 from apps.tenancy import selectors as tenancy_selectors
 from apps.tenancy import services as tenancy_services
 from apps.tenancy.apiutils import NAME_IN_PATH, call_service
 from apps.tenancy.models import ApiKey, Tenant
 from apps.tenancy.permissions import SuperuserCreates
-from apps.tenancy.serializers import TenantSerializer
 
 
 class TenantViewSet(viewsets.ModelViewSet):
     """Tenants: users see the tenants they belong to; superusers see and manage all of them."""
 
-    serializer_class = TenantSerializer
+    serializer_class = TenantWithQuotaSerializer
     permission_classes = [SuperuserCreates]
     lookup_field = "slug"
     lookup_value_regex = NAME_IN_PATH

@@ -5,11 +5,26 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from apps.gateway.quotas import tenant_quota_status
 from apps.pools.selectors import entitlement_list
 from apps.tenancy.models import ApiKey, Tenant
-from apps.tenancy.serializers import request_user
+from apps.tenancy.serializers import QuotaStatusSerializer, TenantSerializer, request_user
+
+
+class TenantWithQuotaSerializer(TenantSerializer):
+    """A tenant with its quota's current window (the usage records live with the gateway, above tenancy)."""
+
+    quota_status = serializers.SerializerMethodField()
+
+    class Meta(TenantSerializer.Meta):
+        fields = [*TenantSerializer.Meta.fields, "quota_status"]
+
+    @extend_schema_field(QuotaStatusSerializer(allow_null=True))
+    def get_quota_status(self, tenant: Tenant) -> dict[str, Any] | None:
+        return tenant_quota_status(tenant)
 
 
 class ApiKeySerializer(serializers.ModelSerializer):

@@ -33,6 +33,21 @@ class TenantSerializer(serializers.ModelSerializer):
         return _role_of(self, tenant)
 
 
+class QuotaStatusSerializer(serializers.Serializer):
+    """A quota's current window (read-only): what the usage records say it has used."""
+
+    unit = serializers.CharField(help_text="tokens, or the currency of a money quota")
+    window = serializers.CharField(help_text="hour, day or month (calendar-aligned in `timezone`)")
+    timezone = serializers.CharField()
+    window_id = serializers.CharField(help_text="the current window, e.g. 2026-11 for a month")
+    limit = serializers.FloatField()
+    used = serializers.FloatField(help_text="used by finished requests (the usage records, flushed every few "
+                                            "seconds; requests still running are not in it)")
+    remaining = serializers.FloatField()
+    used_percent = serializers.FloatField()
+    resets_at = serializers.DateTimeField()
+
+
 def _role_of(serializer: serializers.Serializer, tenant: Tenant) -> str | None:
     return user_role(user=request_user(serializer), tenant=tenant)
 

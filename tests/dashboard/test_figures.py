@@ -186,3 +186,11 @@ def test_empty_history_builds_empty_figures() -> None:
 def test_uids_keep_keys_apart_that_differ_only_in_unsafe_characters() -> None:
     assert figures.trace_uid("kv:http://r1") != figures.trace_uid("kv:http_//r1")
     assert figures.trace_uid("denied:a:pool_contended") == figures.trace_uid("denied:a:pool_contended")
+
+
+def test_quota_rejections_are_their_own_denial_reason(history: list[PoolSample]) -> None:
+    history = [*history, sample(3, point("acme-a", in_flight=2, denied={"quota_exceeded": 4, "pool_contended": 1}))]
+    fig = traces(figures.figure_admissions_by_reason(history, visible_entitlements=None))
+    assert fig["denied:acme-a:quota_exceeded"]["y"] == [-4]
+    assert fig["denied:acme-a:quota_exceeded"]["name"] == "acme-a denied: quota_exceeded"
+    assert fig["denied:acme-a:pool_contended"]["y"] == [-1]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import math
+import re
+import time
 import uuid
 from typing import Any
 
@@ -134,3 +136,22 @@ def test_processes_sharing_redis_never_pass_the_limit(gateway_factory: Any, upst
     finally:
         server.call(second.stop())
         server.stop()
+
+
+def _gauge(url: str, name: str, labels: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", httpx.get(url + "/metrics", timeout=10).text,
+                      re.M)
+    return None if match is None else float(match.group(1))
+
+
+def test_metrics_export_the_quota_as_the_store_holds_it(gateway_factory: Any, upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory(max_output=4)
+    h = gateway_factory(upstreams=[upstream], entitlement={"quota_tokens": 40, "quota_window": "day"})
+    labels = f'{{entitlement="{h.entitlement.name}",quota="entitlement"}}'
+    used = _cost(_post(h)) + _cost(_post(h))
+    deadline = time.monotonic() + 10
+    while _gauge(h.url, "tokenpools_quota_used_tokens", labels) != used:
+        assert time.monotonic() < deadline, (_gauge(h.url, "tokenpools_quota_used_tokens", labels), used)
+        time.sleep(0.2)
+    assert _gauge(h.url, "tokenpools_quota_limit_tokens", labels) == 40
+    assert _gauge(h.url, "tokenpools_quota_reserved_tokens", labels) == 0

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.test import Client
 from django.utils import timezone
 
 from apps.gateway.models import UsageRecord
@@ -179,3 +180,41 @@ def test_usage_summary_reports_spend_per_day_and_month(admin: Any) -> None:
     assert month[0]["spend"] == {"amount": "2.500000", "currency": "USD"}
     assert (month[0]["prompt_tokens"], month[0]["requests"]) == (3_000_000, 6)
     assert client.get("/api/v1/usage/summary/?period=week").status_code == 400
+
+
+@pytest.mark.api
+@pytest.mark.django_db
+def test_quota_status_on_rest_and_pages(admin: Any) -> None:
+    """Used (the usage records of the current window), remaining and reset of an entitlement's and a tenant's
+    quota: on the REST API and, with a bar, on their pages."""
+    docs = _docs(quota={"tokens": 1000, "window": "day"},
+                 pricing={"inputPerMillion": 100_000, "outputPerMillion": 200_000, "currency": "USD"},
+                 tenant_quota={"amount": 10, "currency": "USD", "window": "month"})
+    manifests_apply(actor=SYSTEM, documents=docs)
+    tenant = Tenant.objects.get()
+    now = timezone.now().replace(second=0, microsecond=0)
+    UsageRecord.objects.create(tenant=tenant, entitlement="sample-entitlement", minute=now, requests=2,
+                               prompt_tokens=30, completion_tokens=10)
+    UsageRecord.objects.create(tenant=tenant, entitlement="sample-entitlement", minute=now - timezone.timedelta(days=40),
+                               requests=1, prompt_tokens=900, completion_tokens=0)  # an older window: not counted
+    client = client_as(admin)
+    ent = client.get("/api/v1/entitlements/sample-entitlement/").json()["quota_status"]
+    assert (ent["unit"], ent["limit"], ent["used"], ent["remaining"], ent["used_percent"]) == ("tokens", 1000, 40,
+                                                                                               960, 4.0)
+    reset = timezone.datetime.fromisoformat(ent["resets_at"].replace("Z", "+00:00"))
+    assert reset.hour == 0 and 0 < (reset - timezone.now()).total_seconds() <= 86400
+    # The tenant's money quota: 30 prompt tokens at 0.1 USD each and 10 completion tokens at 0.2 USD each.
+    shared = client.get("/api/v1/tenants/acme/").json()["quota_status"]
+    assert (shared["unit"], shared["limit"], shared["used"], shared["remaining"]) == ("USD", 10, 5, 5)
+    assert shared["window_id"] == timezone.now().strftime("%Y-%m")
+    browser = Client()
+    browser.force_login(admin)
+    page = browser.get("/entitlements/sample-entitlement/").content.decode()
+    assert 'data-dimension="quota"' in page and "960 tokens remaining" in page and "width: 4.0%" in page
+    tenant_page = browser.get("/tenants/acme/").content.decode()
+    assert "5 USD remaining" in tenant_page and "width: 50.0%" in tenant_page
+    # No quota: null on the API, said so on the page.
+    client.patch("/api/v1/entitlements/sample-entitlement/", {"quota_tokens": None, "quota_window": ""},
+                 format="json")
+    assert client.get("/api/v1/entitlements/sample-entitlement/").json()["quota_status"] is None
+    assert "No quota" in browser.get("/entitlements/sample-entitlement/").content.decode()
