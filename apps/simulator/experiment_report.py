@@ -35,7 +35,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Scenario `{report['scenario']}`; time scale {report['time_scale']:g}, capacity scale "
         f"{report['capacity_scale']:g}; backend {report['backend']}"
-        + (f" (decode {report['decode_ms_measured']:.1f} ms/token measured with a full batch)"
+        + (f" ({report['decode_ms_measured']:.1f} ms per output token measured: whole requests, full batches)"
            if report.get("decode_ms_measured") else "") + "; phases " + ", ".join(
             f"{name} {start:g}-{end:g} s" for name, start, end in report["phases"]) + ".",
         "",

@@ -204,15 +204,19 @@ class LiveWorkload:
         return wait if wait is not None and wait > 0 else spec.retry_backoff_s
 
     async def _send(self, tenant: _Tenant, prompt: int, output: int, attempt: int) -> LiveRecord:
-        """One streamed completion; the record goes to `self.records` (a 401 of a key that the gateway has
-        not loaded yet is asked again, not recorded)."""
+        """One streamed completion; the record goes to `self.records`. A 401 is not recorded: while the tenant
+        is sending, it is a new key the gateway has not loaded yet (asked again); after the tenant left, it is
+        the operator's revocation of a request the client began just as it left (the simulator's client would
+        not have sent it)."""
         body = {"model": self.model, "prompt": " ".join(["hello"] * max(1, prompt)), "max_tokens": output,
                 "stream": True, "stream_options": {"include_usage": True}}
         while True:
             sent_at = self.now()
             started = time.monotonic()
             record = await self._stream(tenant, body, sent_at, started, attempt)
-            if record.status == 401 and self._sending(tenant):
+            if record.status == 401:
+                if not self._sending(tenant):
+                    return record
                 await asyncio.sleep(UNKNOWN_KEY_RETRY_S)
                 continue
             self.records.append(record)

@@ -115,18 +115,20 @@ def test_the_no_admission_arm_and_the_calibration_use_every_replica() -> None:
                      prefill_ms_per_token=0.0)
     tenant = TenantSpec("closed", concurrency=2, input=LengthSpec("fixed", 8), output=LengthSpec("fixed", 4))
 
-    def served(url: str) -> float:
+    def requests_seen(url: str) -> float:
+        # Prompt tokens are counted when a request arrives (a success only once the engine's step has ended,
+        # which can be after the client has read the last token), 8 per request here.
         text = httpx.get(url + "/metrics", timeout=10).text
-        return sum(float(v) for v in re.findall(r'^vllm:request_success_total\{[^}]*\} (\S+)$', text, re.M))
+        return sum(float(v) for v in re.findall(r"^vllm:prompt_tokens_total\{[^}]*\} (\S+)$", text, re.M)) / 8
 
     with live_backend("virtual", config, replicas=2) as backend:
         assert len(backend.urls) == 2
         assert calibrate_decode_ms(backend, streams=2, prompt_tokens=8, output_tokens=4) > 0
-        calibrated = [served(url) for url in backend.urls]
-        assert all(count >= 4 for count in calibrated), calibrated  # 2 rounds of 2 streams on each replica
+        calibrated = [requests_seen(url) for url in backend.urls]
+        assert calibrated == [4, 4], calibrated  # 2 rounds of 2 streams on each replica
         workload = LiveWorkload([tenant], url=backend.urls, keys={"closed": "none"}, model=backend.model, seed=1,
                                 horizon_s=1.0)
         records = asyncio.run(workload.run())
-        after = [served(url) - before for url, before in zip(backend.urls, calibrated, strict=True)]
+        after = [requests_seen(url) - before for url, before in zip(backend.urls, calibrated, strict=True)]
     assert records and all(r.status == 200 for r in records)
-    assert all(count >= len(records) / 3 for count in after), (after, len(records))  # taken in turn
+    assert sum(after) == len(records) and min(after) >= len(records) // 2, (after, len(records))  # taken in turn
