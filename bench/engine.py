@@ -45,7 +45,9 @@ from bench.results import machine_description, write_rendered_section
 
 SECTION_TITLE = "## Inference engine (`make bench-engine`)"
 TRAINED_MODEL = Path("backends/engine/assets/tiny-stdlib")
-OVERHEAD_POLICIES = ("fifo", "lru", "h2o", "token-pd", "global-top-m", "token-pd-per-request")
+OVERHEAD_POLICIES = ("fifo", "lru", "h2o", "token-pd", "token-pd-ewma", "global-top-m", "token-pd-per-request")
+# The trained model's vocabulary: the size of the logits Token-PD's return predictor reads per new token.
+OVERHEAD_VOCAB = 4096
 
 
 # Servers (uvicorn under both engines) close a connection idle for 5 s; a request sent on one just as it
@@ -58,11 +60,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed: int) -> dict[str, float]:
-    """Simulates the runner's policy calls over a full pool; only the policy's share is timed."""
+def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed: int,
+                   vocab: int = OVERHEAD_VOCAB) -> dict[str, float]:
+    """Simulates the runner's policy calls over a full pool; only the policy's share is timed (the return
+    predictor's forecast from each new token's logits and its training step included)."""
     import torch
 
-    from backends.engine.eviction import PoolView, ProtectedTokens, make_policy
+    from backends.engine.eviction import EvictionPolicy, PoolView, ProtectedTokens, make_policy
 
     sinks, recent = 4, 8
     slots = streams * tokens
@@ -76,6 +80,7 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
     every_stream = torch.arange(streams)
     row_cached = torch.full((streams,), tokens, dtype=torch.long)
     policy = make_policy(policy_name)
+    reads_logits = type(policy).on_logits is not EvictionPolicy.on_logits
     policy.bind(slots, 512, slots, streams)
     policy.on_insert(torch.arange(slots), 0)
     births = slots
@@ -108,6 +113,9 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
         # One decode step's attention: skewed per stream (a few heavy tokens), zero on free slots.
         mass = torch.rand(slots, generator=generator).pow_(4).mul_(live)
         mass /= torch.zeros(streams).index_add_(0, owner, mass)[owner].clamp_(min=1e-30)
+        # Each stream's next-token logits, peaked to a different degree (only a policy that reads them).
+        logits = (torch.randn(streams, vocab, generator=generator)
+                  * torch.rand(streams, 1, generator=generator) * 6) if reads_logits else None
         # The pool's free list (the runner's pool keeps one; not the policy's share, so not timed).
         free = (~live).nonzero().squeeze(1)
         started = time.perf_counter()
@@ -132,6 +140,8 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
         policy.on_insert(new_slots, step)
         protected.admit(new_slots, seen)
         current = view(step)
+        if logits is not None:
+            policy.on_logits(current, new_slots, logits)
         policy.observe(current, mass, live)
         voluntary = policy.voluntary_evictions(current)
         live[voluntary] = False
@@ -1096,7 +1106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quality-policies",
         nargs="+",
-        default=["fifo", "lru", "h2o", "token-pd", "global-top-m", "token-pd-per-request"],
+        default=["fifo", "lru", "h2o", "token-pd", "token-pd-ewma", "token-pd-fixed-step", "global-top-m",
+                 "token-pd-per-request"],
     )
     parser.add_argument("--quality-sequences", type=int, default=32, help="concurrent streams")
     parser.add_argument(

@@ -11,6 +11,8 @@ The engine drives a policy in this order each step:
 3. `voluntary_evictions(view)`: what the policy drops on its own (Token-PD's priced-out tokens, H2O's
    per-sequence budget);
 4. `end_step(view, demand_tokens)`: Token-PD's multiplicative update of the dual price `mu`.
+Before `observe`, `on_logits` gives a policy the next-token logits of each decoded sequence's newest token:
+Token-PD (`token-pd`, the seed's policy) forecasts that token's return from them with its MLP.
 Sinks and recent tokens are protected by the engine for every policy alike (`view.protected`).
 """
 
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from backends.engine.return_predictor import ReturnPredictor
 
 
 @dataclass
@@ -354,23 +358,30 @@ class H2OPolicy(EvictionPolicy):
 class TokenPDParams:
     ewma_alpha: float = 0.3  # weight of the newest attention observation in R
     risk_aversion: float = 0.1  # lambda
-    learning_rate: float = 4.0  # eta of the multiplicative price update
+    learning_rate: float = 4.0  # eta of the multiplicative price update, at the start of a busy period
+    # eta_t = eta * sqrt(H / max(H, t)) in the t-th step of a busy period (seed 001: eta proportional to
+    # 1/sqrt(T)); an engine does not know its horizon T, so the anytime form decays with the steps run so far
+    # and restarts when the batch empties. None: a constant eta (the `token-pd-fixed-step` ablation).
+    learning_rate_horizon: int | None = 64
     initial_price_per_token: float = 1e-3  # mu * c at start, in units of attention mass
     min_price_per_token: float = 1e-9
     max_price_per_token: float = 10.0
 
 
 class TokenPDPolicy(EvictionPolicy):
-    """Token-PD: excess value g = R - lambda*sigma^2 - mu*c against one batch-global dual price mu.
+    """Token-PD with observed returns only (the `token-pd-ewma` ablation; the base of the seed's policy,
+    `TokenPDPredictorPolicy`): excess value g = R - lambda*sigma^2 - mu*c against one batch-global dual
+    price mu.
 
     `R` is an exponential average of the attention mass a token receives (already averaged over the
     layers and the heads, GQA groups included); `sigma^2` the exponential variance of the same signal;
     `c` the bytes of one token's keys and values in every layer. Tokens with g < 0 are evicted; `mu`
-    rises multiplicatively while the tokens the batch wants exceed M and falls when they do not. The
-    engine's `make_room` cut-off enforces M exactly in the steps before the price has caught up.
+    rises multiplicatively while the tokens the batch wants exceed M and falls when they do not, with a
+    step size that shrinks as 1/sqrt(t) over a busy period. The engine's `make_room` cut-off enforces M
+    exactly in the steps before the price has caught up.
     """
 
-    name = "token-pd"
+    name = "token-pd-ewma"
     evicts = True
     use_price = True
 
@@ -383,6 +394,7 @@ class TokenPDPolicy(EvictionPolicy):
         self.ret_sq = torch.zeros(num_slots, dtype=torch.float32)
         self.observed = torch.zeros(num_slots, dtype=torch.bool)
         self.mu = self.params.initial_price_per_token / bytes_per_token
+        self.busy_steps = 0  # steps since the batch last emptied: the t of the step size
         self.priced_out_total = 0
         self._value = torch.zeros(num_slots, dtype=torch.float32)
         self._priced_out = np.zeros(num_slots, dtype=np.bool_)
@@ -465,13 +477,21 @@ class TokenPDPolicy(EvictionPolicy):
         self.priced_out_total += int(victims.numel())
         return victims
 
+    def step_size(self) -> float:
+        """eta_t: the configured eta for the first `learning_rate_horizon` steps, then eta * sqrt(H / t)."""
+        horizon = self.params.learning_rate_horizon
+        if horizon is None:
+            return self.params.learning_rate
+        return self.params.learning_rate * math.sqrt(horizon / max(horizon, self.busy_steps))
+
     def end_step(self, view: PoolView, demand_tokens: int) -> None:
         if not self.use_price:
             return
+        self.busy_steps = self.busy_steps + 1 if view.running_rows.numel() else 0
         c = self.bytes_per_token
         budget_bytes = self.budget_tokens * c
         violation = (demand_tokens * c - budget_bytes) / budget_bytes
-        self.mu = self._clamp(self.mu * math.exp(self.params.learning_rate * violation))
+        self.mu = self._clamp(self.mu * math.exp(self.step_size() * violation))
 
     def _clamp(self, mu: float) -> float:
         c = self.bytes_per_token
@@ -481,95 +501,21 @@ class TokenPDPolicy(EvictionPolicy):
         return {
             "token_pd_mu": float(self.mu),
             "token_pd_price_per_token": float(self.mu * self.bytes_per_token),
+            "token_pd_step_size": self.step_size(),
         }
 
 
-class ReturnPredictor:
-    """The seed's return predictor: a one-hidden-layer MLP from a token's next-token logits to its return.
-
-    Trained online and self-supervised: when a token arrives, the logits its step produced are kept;
-    `horizon` steps later the attention mass it actually received (its R) is the regression target.
-    Features are log-probabilities (shift-invariant logits), clipped so rare tokens do not dominate.
-    """
-
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden: int = 256,
-        horizon: int = 8,
-        learning_rate: float = 1e-3,
-        buffer_size: int = 4096,
-        seed: int = 0,
-    ) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.w1 = (
-            torch.randn(vocab_size, hidden, generator=generator) / math.sqrt(vocab_size)
-        ).requires_grad_()
-        self.b1 = torch.zeros(hidden, requires_grad=True)
-        self.w2 = (torch.randn(hidden, 1, generator=generator) / math.sqrt(hidden)).requires_grad_()
-        self.b2 = torch.full((1,), -4.0, requires_grad=True)  # start near small returns
-        self.optimizer = torch.optim.Adam([self.w1, self.b1, self.w2, self.b2], lr=learning_rate)
-        self.horizon = horizon
-        self.buffer_size = buffer_size
-        self._features: list[torch.Tensor] = []
-        self._slots: list[torch.Tensor] = []
-        self._births: list[torch.Tensor] = []
-        self._steps: list[int] = []
-        self.trained_examples = 0
-        self.last_loss = float("nan")
-
-    @staticmethod
-    def features(logits: torch.Tensor) -> torch.Tensor:
-        # clone(): logits come out of the forward's inference mode and cannot enter autograd as they are.
-        return torch.log_softmax(logits.float().clone(), dim=-1).clamp(min=-20.0) / 20.0
-
-    def _forward(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(torch.relu(features @ self.w1 + self.b1) @ self.w2 + self.b2).squeeze(-1)
-
-    def predict(self, logits: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self._forward(self.features(logits))
-
-    def remember(self, slots: torch.Tensor, births: torch.Tensor, logits: torch.Tensor, step: int) -> None:
-        self._features.append(self.features(logits))
-        self._slots.append(slots.clone())
-        self._births.append(births.clone())
-        self._steps.append(step)
-        while sum(f.shape[0] for f in self._features) > self.buffer_size:
-            for store in (self._features, self._slots, self._births, self._steps):
-                store.pop(0)
-
-    def train_step(self, returns: torch.Tensor, live: torch.Tensor, birth: torch.Tensor, step: int) -> None:
-        """Fit the examples old enough to have a realised return; a slot reused since is dropped."""
-        ready = [i for i, at in enumerate(self._steps) if step - at >= self.horizon]
-        if not ready:
-            return
-        features = torch.cat([self._features[i] for i in ready])
-        slots = torch.cat([self._slots[i] for i in ready])
-        births = torch.cat([self._births[i] for i in ready])
-        for i in reversed(ready):
-            for store in (self._features, self._slots, self._births, self._steps):
-                store.pop(i)
-        valid = live[slots] & (birth[slots] == births)
-        if not bool(valid.any()):
-            return
-        target = returns[slots[valid]]
-        loss = torch.mean((self._forward(features[valid]) - target) ** 2)
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        self.trained_examples += int(valid.sum())
-        self.last_loss = float(loss.detach())
-
-
 class TokenPDPredictorPolicy(TokenPDPolicy):
-    """Token-PD whose return blends the observed EWMA with the MLP's forecast from the token's logits.
+    """Token-PD as seed 001 defines it (`token-pd`, the engine's default): the return of a token is
+    forecast from its step's next-token logits by a one-hidden-layer MLP trained online, self-supervised.
 
     The forecast matters most for young tokens (one noisy observation); its weight falls as the token
-    collects observations: R_hat = w * f(z) + (1 - w) * EWMA with w = 1 / (1 + observations).
+    collects observations of the attention it really gets: R_hat = w * f(z) + (1 - w) * EWMA with
+    w = 1 / (1 + observations). (The seed prices on f(z) alone; the blend is a deviation listed in the
+    engine's README.)
     """
 
-    name = "token-pd-mlp"
+    name = "token-pd"
 
     def __init__(self, params: TokenPDParams | None = None, predictor: ReturnPredictor | None = None) -> None:
         super().__init__(params)
@@ -589,9 +535,8 @@ class TokenPDPredictorPolicy(TokenPDPolicy):
     def on_logits(self, view: PoolView, slots: torch.Tensor, logits: torch.Tensor) -> None:
         if self.predictor is None:
             self.predictor = ReturnPredictor(logits.shape[-1])
-        self.forecast[slots] = self.predictor.predict(logits)
+        self.forecast[slots] = self.predictor.forecast(slots, view.birth[slots], logits, view.step)
         self.has_forecast[slots] = True
-        self.predictor.remember(slots, view.birth[slots], logits, view.step)
 
     def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
         super().observe(view, mass, stepped)
@@ -608,7 +553,16 @@ class TokenPDPredictorPolicy(TokenPDPolicy):
         return gauges
 
 
-class GlobalTopMPolicy(TokenPDPolicy):
+class FixedStepTokenPDPolicy(TokenPDPredictorPolicy):
+    """Ablation: the seed's Token-PD with a constant step size eta instead of eta proportional to 1/sqrt(t)."""
+
+    name = "token-pd-fixed-step"
+
+    def __init__(self, params: TokenPDParams | None = None, predictor: ReturnPredictor | None = None) -> None:
+        super().__init__(params or TokenPDParams(learning_rate_horizon=None), predictor)
+
+
+class GlobalTopMPolicy(TokenPDPredictorPolicy):
     """Ablation: Token-PD's value R - lambda*sigma^2, no price: only the exact cut-off at M evicts."""
 
     name = "global-top-m"
@@ -621,7 +575,7 @@ class GlobalTopMPolicy(TokenPDPolicy):
         return {}
 
 
-class PerRequestTokenPDPolicy(TokenPDPolicy):
+class PerRequestTokenPDPolicy(TokenPDPredictorPolicy):
     """Ablation: Token-PD with a price per sequence against a per-sequence budget M / running sequences."""
 
     name = "token-pd-per-request"
@@ -648,12 +602,14 @@ class PerRequestTokenPDPolicy(TokenPDPolicy):
     def end_step(self, view: PoolView, demand_tokens: int) -> None:
         self._ensure_rows(view.num_rows)
         if view.running_rows.numel() == 0:
+            self.busy_steps = 0
             return
+        self.busy_steps += 1
         per_sequence_budget = max(1.0, self.budget_tokens / view.running_rows.numel())
         held = torch.bincount(view.owner[view.live], minlength=view.num_rows).double()
         violation = (held[view.running_rows] - per_sequence_budget) / per_sequence_budget
         c = self.bytes_per_token
-        updated = self.row_mu[view.running_rows] * torch.exp(self.params.learning_rate * violation)
+        updated = self.row_mu[view.running_rows] * torch.exp(self.step_size() * violation)
         self.row_mu[view.running_rows] = updated.clamp(
             self.params.min_price_per_token / c, self.params.max_price_per_token / c
         )
@@ -665,8 +621,9 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "fifo": FifoPolicy,
     "lru": LruPolicy,
     "h2o": H2OPolicy,
-    "token-pd": TokenPDPolicy,
-    "token-pd-mlp": TokenPDPredictorPolicy,
+    "token-pd": TokenPDPredictorPolicy,
+    "token-pd-ewma": TokenPDPolicy,
+    "token-pd-fixed-step": FixedStepTokenPDPolicy,
     "global-top-m": GlobalTopMPolicy,
     "token-pd-per-request": PerRequestTokenPDPolicy,
 }

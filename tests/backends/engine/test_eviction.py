@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -17,10 +18,13 @@ from backends.engine import (
 )
 from backends.engine.eviction import (
     POLICIES,
+    FixedStepTokenPDPolicy,
     H2OPolicy,
     PoolView,
     ProtectedTokens,
+    TokenPDParams,
     TokenPDPolicy,
+    TokenPDPredictorPolicy,
     lowest_scored,
     lowest_scored_per_owner,
     make_policy,
@@ -192,7 +196,7 @@ def test_return_predictor_learns_returns_from_logits_self_supervised():
 
     vocab, slots = 32, 64
     generator = torch.Generator().manual_seed(0)
-    predictor = ReturnPredictor(vocab, hidden=32, horizon=2, learning_rate=1e-2, seed=1)
+    predictor = ReturnPredictor(vocab, hidden=32, horizon=2, learning_rate=1e-2, examples_per_step=slots, seed=1)
     # Ground truth the predictor must discover: confident steps (peaked logits) produce heavy tokens.
     live = torch.ones(slots, dtype=torch.bool)
     birth = torch.arange(slots)
@@ -221,8 +225,64 @@ def test_return_predictor_learns_returns_from_logits_self_supervised():
     assert predictor.trained_examples == 400 * slots
 
 
+def test_the_predictor_forecasts_every_new_token_and_trains_on_a_sample_of_them():
+    from backends.engine.eviction import ReturnPredictor
+
+    predictor = ReturnPredictor(16, hidden=8, horizon=1, examples_per_step=5)
+    logits = torch.randn(12, 16, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():  # as the engine's forward produces them
+        logits = logits.clone()
+    slots, births = torch.arange(12), torch.arange(12)
+    forecast = predictor.forecast(slots, births, logits, step=1)
+    assert torch.equal(forecast, predictor.predict(logits))
+    predictor.train_step(torch.rand(12), torch.ones(12, dtype=torch.bool), births, step=2)
+    assert predictor.trained_examples == 5
+    assert predictor.w1.grad is not None  # it trained through autograd on features of inference-mode logits
+
+
+def test_the_seeds_token_pd_with_its_return_predictor_is_the_default():
+    import argparse
+
+    from backends.engine.server import add_engine_arguments
+    from backends.engine.service import EngineSettings
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert EngineSettings.__dataclass_fields__["policy"].default == "token-pd"
+    assert parser.parse_args(["--model", "m"]).policy == "token-pd"
+    assert type(make_policy("token-pd")) is TokenPDPredictorPolicy
+    # The ablations: observed returns only, and a constant step size.
+    assert type(make_policy("token-pd-ewma")) is TokenPDPolicy
+    assert make_policy("token-pd-fixed-step").params.learning_rate_horizon is None
+
+
+def test_the_price_step_shrinks_as_one_over_sqrt_t_and_restarts_when_the_batch_empties():
+    policy = TokenPDPolicy(TokenPDParams(learning_rate=2.0, learning_rate_horizon=4))
+    policy.bind(num_slots=6, bytes_per_token=100, budget_tokens=4, max_batch_size=2)
+    busy = synthetic_view([0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2], [3] * 6, [False] * 6, budget=4)
+    idle = synthetic_view([-1] * 6, [0] * 6, [0] * 6, [False] * 6, budget=4)
+    sizes = []
+    for _ in range(64):
+        policy.end_step(busy, demand_tokens=4)  # at the budget: the price stays, the steps count
+        sizes.append(policy.step_size())
+    assert sizes[0] == sizes[3] == pytest.approx(2.0)  # the first H steps at the configured eta
+    assert sizes[15] == pytest.approx(2.0 * (4 / 16) ** 0.5)
+    assert sizes[63] == pytest.approx(2.0 * (4 / 64) ** 0.5)
+    # The multiplicative update uses the step size of its step: log(mu'/mu) = eta_t * violation.
+    before = policy.mu
+    policy.end_step(busy, demand_tokens=6)  # 6 wanted, 4 fit: violation 0.5 at t = 65
+    assert math.log(policy.mu / before) == pytest.approx(2.0 * (4 / 65) ** 0.5 * 0.5)
+    policy.end_step(idle, demand_tokens=0)  # the batch emptied: a new busy period starts
+    assert policy.step_size() == pytest.approx(2.0)
+    fixed = FixedStepTokenPDPolicy()
+    fixed.bind(num_slots=6, bytes_per_token=100, budget_tokens=4, max_batch_size=2)
+    for _ in range(500):
+        fixed.end_step(busy, demand_tokens=4)
+    assert fixed.step_size() == fixed.params.learning_rate
+
+
 def test_token_pd_with_predictor_runs_inside_the_engine(tiny_model_dir):
-    runner, _, events, trace = run_workload(tiny_model_dir, "token-pd-mlp", 160, prompts=8, max_tokens=16)
+    runner, _, events, trace = run_workload(tiny_model_dir, "token-pd", 160, prompts=8, max_tokens=16)
     assert max(used for used, _, _ in trace) <= 160
     assert sum(isinstance(e, CompletedEvent) for e in events) == 8
     assert runner.policy.predictor is not None and runner.policy.predictor.trained_examples > 0
