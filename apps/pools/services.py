@@ -12,6 +12,11 @@ two writers never bind against the same free room:
   else Degraded. So a shrunk pool degrades the newest reservations first and a grown pool binds them
   back, and creating an entitlement never degrades an older one. (Like the Kubernetes scheduler, a
   smaller newer reservation may still fit where a larger older one did not.)
+* except that an elastic entitlement already Bound stays Bound when the pool shrinks under it, as long as
+  the pool has any capacity left: its baseline is time-averaged and shrinkable, so the elastic
+  entitlements share what is left by priority and debt (seed 000, Experiment 2: copilot and synth both
+  keep serving through the outage), as the simulator does. It takes no room from the entitlements
+  evaluated after it (it is oversubscribed, not reserved), and it fits again when the pool grows back.
 
 Every state change writes an ``EntitlementStateChange`` row with the reason and the time.
 
@@ -109,6 +114,12 @@ def _shortfall(need: Capacity, room: Capacity) -> str:
     return "; ".join(parts)
 
 
+def _stays_bound_oversubscribed(ent: TokenEntitlement, pool: TokenPool) -> bool:
+    """A Bound elastic entitlement keeps its binding through a capacity drop (not through losing it all)."""
+    return (ent.service_class == "elastic" and ent.state == EntitlementState.BOUND
+            and pool.capacity().slots > 0)
+
+
 def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tuple[TokenEntitlement, str, str]]:
     """Recompute every entitlement state of a pool whose row the caller holds locked.
 
@@ -131,6 +142,10 @@ def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tupl
             kind = "time-averaged reservation" if ent.service_class == "elastic" else "reserved baseline"
             target = str(EntitlementState.BOUND)
             reason = f"{kind} fits pool {pool.name}"
+        elif _stays_bound_oversubscribed(ent, pool):
+            target = str(EntitlementState.BOUND)
+            reason = (f"pool {pool.name} shrank under this time-averaged reservation "
+                      f"({_shortfall(ent.reservation, room)}): oversubscribed, shared by priority and debt")
         else:
             target = str(EntitlementState.DEGRADED)
             reason = f"baseline does not fit pool {pool.name}: {_shortfall(ent.reservation, room)}"

@@ -17,6 +17,7 @@ from apps.pools.models import (
     RESERVING_CLASSES,
     SERVICE_CLASS_HELP,
     SERVICE_CLASS_WEIGHT,
+    Capacity,
     EntitlementStateChange,
     TokenEntitlement,
 )
@@ -136,6 +137,31 @@ def test_shrunk_pool_degrades_newest_first_and_grown_pool_binds_back(admin: Any,
     assert spot.state_changes.count() == 2  # created and bound, untouched since
     degraded = EntitlementStateChange.objects.get(entitlement__name="new", to_state="Degraded")
     assert "disabled" in degraded.reason and degraded.at is not None
+
+
+@pytest.mark.django_db
+def test_elastic_entitlements_stay_bound_through_a_capacity_drop_and_share_it(admin: Any, acme: Any) -> None:
+    """Seed 000, Experiment 2: when a replica fails, bound elastic baselines are oversubscribed, not degraded."""
+    pool = make_pool(admin, replicas=2)  # 32 slots
+    copilot = make_entitlement(admin, acme, pool, "copilot", "elastic", concurrency=12)
+    synth = make_entitlement(admin, acme, pool, "synth", "elastic", concurrency=12)
+    replica_set_enabled(actor=admin, replica=pool.replicas.last(), enabled=False)  # 16 slots
+    copilot.refresh_from_db()
+    synth.refresh_from_db()
+    assert (copilot.state, synth.state) == ("Bound", "Bound")
+    assert "oversubscribed" in synth.state_reason and "shrank" in synth.state_reason
+    # Oversubscription is not a reservation: a newer guaranteed baseline still binds in the room left (4).
+    late = make_entitlement(admin, acme, pool, "late", "guaranteed", concurrency=4)
+    assert late.state == "Bound"
+    # An elastic entitlement that was not bound before the drop is not bound into an oversubscribed pool.
+    newcomer = make_entitlement(admin, acme, pool, "newcomer", "elastic", concurrency=4)
+    assert newcomer.state == "Degraded"
+    replica_set_enabled(actor=admin, replica=pool.replicas.last(), enabled=True)  # 32 slots: all fit again
+    states = dict(TokenEntitlement.objects.values_list("name", "state"))
+    assert states == {"copilot": "Bound", "synth": "Bound", "late": "Bound", "newcomer": "Bound"}
+    synth.refresh_from_db()
+    assert "fits pool" in synth.state_reason
+    assert list(synth.state_changes.values_list("to_state", flat=True)) == ["Pending", "Bound"]
 
 
 @pytest.mark.django_db
@@ -288,17 +314,22 @@ def test_bound_reservations_never_exceed_capacity(admin: Any, acme: Any, specs: 
     pool = make_pool(admin, replicas=2)
     for i, (cls, conc, tps, kv) in enumerate(specs):
         make_entitlement(admin, acme, pool, f"e{i}", cls, concurrency=conc, tokens_per_second=tps, kv_cache_gib=kv)
+    bound_before_the_drop = set(TokenEntitlement.objects.filter(state="Bound").values_list("name", flat=True))
     for replica in list(pool.replicas.all())[enabled_replicas:]:
         replica_set_enabled(actor=admin, replica=replica, enabled=False)
     cap = pool.capacity()
-    assert pool_reserved(pool=pool).fits_in(cap)
-    # Reference model of the documented rule: oldest first, bound iff the baseline fits the room left.
-    room = cap
+    # Reference model of the documented rule: oldest first, bound iff the baseline fits the room left; an
+    # elastic entitlement bound before the pool shrank stays bound, oversubscribed, while any capacity is left.
+    room, reserved = cap, Capacity.zero()
     for ent in TokenEntitlement.objects.order_by("created_at", "id"):
         if ent.service_class in NON_RESERVING:
             assert ent.state == "Bound"
         elif ent.baseline.fits_in(room):
             room = room - ent.baseline
+            reserved = reserved + ent.baseline
             assert ent.state == "Bound"
+        elif ent.service_class == "elastic" and ent.name in bound_before_the_drop and cap.slots > 0:
+            assert ent.state == "Bound" and "oversubscribed" in ent.state_reason
         else:
             assert ent.state == "Degraded"
+    assert reserved.fits_in(cap)  # what is reserved, rather than oversubscribed, never exceeds capacity
