@@ -137,6 +137,8 @@ GATEWAY_SATURATION_ADMISSION = env_bool("GATEWAY_SATURATION_ADMISSION", True)
 GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 30.0, at_least=0)
 GATEWAY_LEASE_S = env_float("GATEWAY_LEASE_S", 10.0, above=0)
 GATEWAY_LEASE_RENEW_S = env_float("GATEWAY_LEASE_RENEW_S", 3.0, above=0)
+GATEWAY_DEBT_DIMENSION = env_choice("GATEWAY_DEBT_DIMENSION", "tokens_per_second",
+                                    ("tokens_per_second", "concurrency", "kv_bytes"))
 if GATEWAY_LEASE_RENEW_S >= GATEWAY_LEASE_S:
     # A lease renewed no sooner than it runs out lapses between renewals.
     raise ImproperlyConfigured(

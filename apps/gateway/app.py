@@ -134,8 +134,8 @@ class Gateway:
             if not self.config.redis_url:
                 raise RuntimeError("GATEWAY_STATE_BACKEND=redis needs REDIS_URL")
             return RedisStateStore(url=self.config.redis_url, config=self.config.admission_config(),
-                                   lease_s=self.config.lease_s)
-        return MemoryStateStore(config=self.config.admission_config())
+                                   dynamics_config=self.config.dynamics_config(), lease_s=self.config.lease_s)
+        return MemoryStateStore(config=self.config.admission_config(), dynamics_config=self.config.dynamics_config())
 
     async def stop(self, *, grace_s: float = 5.0) -> None:
         """Stop cleanly: requests still in flight get `grace_s` to finish (the server already drained them

@@ -13,7 +13,7 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from apps.policy import AdmissionConfig
+from apps.policy import AdmissionConfig, Dimension, DynamicsConfig
 
 # Field -> the Django setting it is read from (GatewayConfig.from_settings).
 SETTING_NAMES: dict[str, str] = {
@@ -38,6 +38,7 @@ SETTING_NAMES: dict[str, str] = {
     "drain_timeout_s": "GATEWAY_DRAIN_TIMEOUT_S",
     "lease_s": "GATEWAY_LEASE_S",
     "lease_renew_s": "GATEWAY_LEASE_RENEW_S",
+    "debt_dimension": "GATEWAY_DEBT_DIMENSION",
 }
 
 
@@ -71,6 +72,8 @@ class GatewayConfig:
     # The lease of a reservation in the shared store, and how often its holder renews it (< lease_s).
     lease_s: float = 10.0
     lease_renew_s: float = 3.0
+    # The baseline the service gap of debt (2) is measured against (the paper: throughput).
+    debt_dimension: str = "tokens_per_second"
     background: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -84,6 +87,10 @@ class GatewayConfig:
     def admission_config(self) -> AdmissionConfig:
         """The state machine's parameters: a waiter waits the acquire timeout (seed 002)."""
         return AdmissionConfig(wait_timeout_s=self.acquire_timeout_s)
+
+    def dynamics_config(self) -> DynamicsConfig:
+        """The EWMA tick's parameters: the dimension the service gap is measured on."""
+        return DynamicsConfig(debt_dimension=Dimension(self.debt_dimension))
 
     @classmethod
     def from_settings(cls, **overrides: Any) -> GatewayConfig:

@@ -115,7 +115,8 @@ def with_gateway_store(fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
             raise StoreUnavailable("GATEWAY_STATE_BACKEND=redis needs REDIS_URL")
 
         async def run() -> T:
-            store = RedisStateStore(url=config.redis_url, config=config.admission_config())
+            store = RedisStateStore(url=config.redis_url, config=config.admission_config(),
+                                    dynamics_config=config.dynamics_config())
             try:
                 return await fn(store)
             finally:

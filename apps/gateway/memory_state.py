@@ -27,6 +27,7 @@ from apps.policy import (
     AdmissionLedger,
     AdmissionRequest,
     Clock,
+    DynamicsConfig,
     EntitlementLimits,
     EntitlementState,
     EntitlementUsage,
@@ -39,10 +40,12 @@ from apps.policy.window import WindowReading
 
 
 class MemoryStateStore(GatewayStateStore):
-    def __init__(self, clock: Clock | None = None, *, config: AdmissionConfig = DEFAULT_ADMISSION_CONFIG) -> None:
+    def __init__(self, clock: Clock | None = None, *, config: AdmissionConfig = DEFAULT_ADMISSION_CONFIG,
+                 dynamics_config: DynamicsConfig | None = None) -> None:
         super().__init__()
         self.clock = clock or MonotonicClock()
         self.config = config
+        self.dynamics_config = dynamics_config
         self._ledgers: dict[str, AdmissionLedger] = {}
         self._synced: dict[str, PoolInfo] = {}
         # One book for every pool's ledger: a tenant's quota covers all its entitlements.
@@ -58,7 +61,8 @@ class MemoryStateStore(GatewayStateStore):
         if ledger is None:
             ledger = self._ledgers[pool.name] = AdmissionLedger(
                 concurrency_capacity=max(0, pool.concurrency_capacity), kv_capacity=pool.kv_capacity,
-                mean_slo_ms=pool.mean_slo_ms, config=self.config, now=now, quotas=self.quotas,
+                mean_slo_ms=pool.mean_slo_ms, config=self.config, dynamics_config=self.dynamics_config, now=now,
+                quotas=self.quotas,
             )
         if self._synced.get(pool.name) is not pool:
             self._apply(pool, ledger, now)

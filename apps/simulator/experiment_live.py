@@ -26,8 +26,14 @@ from typing import Any
 
 import httpx
 
-from apps.simulator.live import LiveRecord, LiveWorkload, live_entitlement, scenario_manifest
-from apps.simulator.live_site import REPO, manage, prepare_site, serving
+from apps.simulator.live import (
+    LiveRecord,
+    LiveWorkload,
+    live_entitlement,
+    scenario_manifest,
+    scenario_site_env,
+)
+from apps.simulator.live_site import REPO, manage, prepare_site, running_ticks, serving
 from apps.simulator.live_vllm import SERVED_MODEL_NAME, ensure_experiment_model, running_vllm
 from apps.simulator.processes import free_port, running_http_server, stop_process_group, wait_for_port
 from apps.simulator.scenario import Scenario
@@ -262,13 +268,16 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
     site = prepare_site(workdir, tenants=[OWNER], manifest=manifest,
                         key_for=[t.name for t in config.tenants if t.start == 0])
     token = admin_token(site.env)
-    env: dict[str, Any] = {}
+    env: dict[str, Any] = scenario_site_env(config.tenants)
     workers = 1
     if arm == "redis":
         assert redis_url is not None, "the redis arm needs a Redis"
-        env = {"GATEWAY_STATE_BACKEND": "redis", "REDIS_URL": redis_url}
+        env |= {"GATEWAY_STATE_BACKEND": "redis", "REDIS_URL": redis_url}
         workers = 2
-    with serving(site, env=env, workers=workers) as (url, _server):
+    # With Redis (a broker) `serve` leaves the periodic ticks to Celery beat; the run starts them as an
+    # operator would (`manage.py run_ticks`), else no EWMA tick would ever price debt or burst.
+    ticks = running_ticks(site, env=env) if arm == "redis" else contextlib.nullcontext()
+    with serving(site, env=env, workers=workers) as (url, _server), ticks:
         join, leave = operator_hooks(url, token)
         workload = LiveWorkload(config.tenants, url=url, keys=site.keys, model=POOL, seed=config.seed,
                                 horizon_s=horizon, on_join=join, on_leave=leave)

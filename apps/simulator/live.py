@@ -304,6 +304,18 @@ def live_entitlement(tenant: TenantSpec, *, pool: str, owner: str) -> dict[str, 
     }
 
 
+def scenario_site_env(tenants: list[TenantSpec]) -> dict[str, str]:
+    """Settings the live site needs to price like the simulator. The simulator measures debt's service gap on
+    tokens/s when an entitlement declares a rate, else on its next dimension with a baseline; the site
+    requires a rate (`live_entitlement` gives an unreachable one), so when no tenant declares one the gap is
+    measured on the dimension the simulator falls back to: KV bytes where declared, else slots."""
+    specs = [t.entitlement for t in tenants]
+    if any(spec.get("tokens_per_second") for spec in specs):
+        return {}
+    dimension = "kv_bytes" if any(spec.get("kv_bytes") for spec in specs) else "concurrency"
+    return {"GATEWAY_DEBT_DIMENSION": dimension}
+
+
 def scenario_manifest(tenants: list[TenantSpec], *, pool: str, owner: str, backend_urls: list[str],
                       slots_per_replica: int, model: str | None = None) -> str:
     """Manifest documents for a live run: the pool (the virtual vLLM replicas) and the entitlements of the

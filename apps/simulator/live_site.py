@@ -73,6 +73,22 @@ def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: 
         log.close()
 
 
+@contextlib.contextmanager
+def running_ticks(site: PreparedSite, *, env: dict[str, str] | None = None,
+                  log_name: str = "ticks.log") -> Iterator[subprocess.Popen]:
+    """Run `manage.py run_ticks` for the prepared site: the periodic ticks (EWMA, AIMD, ...) that Celery beat
+    runs in a deployment with a broker, where `serve` leaves them to it (a Redis URL is such a broker)."""
+    log = open(site.workdir / log_name, "w")  # noqa: SIM115  (closed in finally)
+    proc = subprocess.Popen([sys.executable, "manage.py", "run_ticks"], cwd=site.repo,
+                            env={**site.env, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_process_group(proc)
+        log.close()
+
+
 def server_log(site: PreparedSite, log_name: str = "serve.log") -> str:
     path = site.workdir / log_name
     return path.read_text(errors="replace") if path.exists() else ""

@@ -21,7 +21,7 @@ import pytest
 
 from apps.simulator.cli import run_simulation
 from apps.simulator.experiment_live import OWNER, POOL, admin_token, operator_hooks, virtual_vllm_cmd
-from apps.simulator.live import LiveWorkload, scenario_manifest, summarize_live
+from apps.simulator.live import LiveWorkload, scenario_manifest, scenario_site_env, summarize_live
 from apps.simulator.scenario import load_scenario
 from tests.support.services import free_port, running_http_server
 from tests.support.site import REPO, prepare_site, serving
@@ -59,7 +59,7 @@ def test_the_simulator_predicts_the_live_gateway(tmp_path: Path, capsys: pytest.
         first = [t.name for t in config.tenants if t.start == 0]
         site = prepare_site(tmp_path, tenants=[OWNER], manifest=manifest, key_for=first)
         token = admin_token(site.env)
-        with serving(site) as (url, _server):
+        with serving(site, env=scenario_site_env(config.tenants)) as (url, _server):
             records = _live(config, url, site.keys, token)
     live = summarize_live(records, config.tenants, float(config.horizon_s))
 

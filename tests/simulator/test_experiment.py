@@ -132,3 +132,16 @@ def test_the_no_admission_arm_and_the_calibration_use_every_replica() -> None:
         after = [requests_seen(url) - before for url, before in zip(backend.urls, calibrated, strict=True)]
     assert records and all(r.status == 200 for r in records)
     assert sum(after) == len(records) and min(after) >= len(records) // 2, (after, len(records))  # taken in turn
+
+
+def test_the_live_site_measures_debt_where_the_simulator_does() -> None:
+    """Experiment 2's entitlements declare slots only: the simulator measures their service gap on slots, so
+    the live site must too (it requires a rate, and the harness gives an unreachable one)."""
+    from apps.simulator.live import scenario_site_env
+
+    tenants = load_scenario(EXP2).config.tenants
+    assert all(not t.entitlement.get("tokens_per_second") for t in tenants)
+    assert scenario_site_env(tenants) == {"GATEWAY_DEBT_DIMENSION": "concurrency"}
+    with_rate = [type(t)(**{**t.__dict__, "entitlement": {**t.entitlement, "tokens_per_second": 500}})
+                 for t in tenants]
+    assert scenario_site_env(with_rate) == {}  # a declared rate: the paper's tokens/s on both sides
