@@ -9,7 +9,8 @@
 - Benchmark 2 (`--throughput`): output tokens/s, p50/p95 request latency and preemptions at
   `--throughput-streams` (16, 64, 128), each policy (none = full cache, fifo, lru, h2o, token-pd,
   token-pd-ewma) at the same KV budget (`--budget-fraction` of what the streams hold at the end of average
-  requests, so the full cache must preempt); Token-PD's ratio to the full cache and to FIFO, LRU and H2O. ShareGPT-like lognormal prompt and output lengths (prompt <= 1024, total <= 2048, times
+  requests, so the full cache must preempt); Token-PD's ratio to the full cache and to FIFO, LRU and H2O.
+  ShareGPT-like lognormal prompt and output lengths (prompt <= 1024, total <= 2048, times
   `--length-scale`), Poisson arrivals (open loop, `--arrival-rate` requests/s per stream), the same seeded
   workload for every policy. `--throughput-mode http` (default): one `manage.py engine` subprocess per run,
   streamed over HTTP, preemptions and peak KV read from its /metrics; `inprocess`: the scheduler stepped here.

@@ -114,10 +114,9 @@ def _shortfall(need: Capacity, room: Capacity) -> str:
     return "; ".join(parts)
 
 
-def _stays_bound_oversubscribed(ent: TokenEntitlement, pool: TokenPool) -> bool:
+def _stays_bound_oversubscribed(ent: TokenEntitlement, capacity: Capacity) -> bool:
     """A Bound elastic entitlement keeps its binding through a capacity drop (not through losing it all)."""
-    return (ent.service_class == "elastic" and ent.state == EntitlementState.BOUND
-            and pool.capacity().slots > 0)
+    return ent.service_class == "elastic" and ent.state == EntitlementState.BOUND and capacity.slots > 0
 
 
 def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tuple[TokenEntitlement, str, str]]:
@@ -125,7 +124,8 @@ def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tupl
 
     Returns the ``(entitlement, from_state, to_state)`` of each change.
     """
-    room = pool.capacity()
+    capacity = pool.capacity()
+    room = capacity
     suffix = f" ({trigger})" if trigger else ""
     changes: list[tuple[TokenEntitlement, str, str]] = []
     entitlements = list(pool.entitlements.select_for_update().order_by("created_at", "id"))
@@ -142,7 +142,7 @@ def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tupl
             kind = "time-averaged reservation" if ent.service_class == "elastic" else "reserved baseline"
             target = str(EntitlementState.BOUND)
             reason = f"{kind} fits pool {pool.name}"
-        elif _stays_bound_oversubscribed(ent, pool):
+        elif _stays_bound_oversubscribed(ent, capacity):
             target = str(EntitlementState.BOUND)
             reason = (f"pool {pool.name} shrank under this time-averaged reservation "
                       f"({_shortfall(ent.reservation, room)}): oversubscribed, shared by priority and debt")

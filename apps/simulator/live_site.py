@@ -62,15 +62,9 @@ def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: 
            "--workers", str(workers)]
     if cpu_core is not None:
         cmd = ["taskset", "-c", cpu_core, *cmd]
-    log = open(site.workdir / log_name, "w")  # noqa: SIM115  (closed in finally)
-    proc = subprocess.Popen(cmd, cwd=site.repo, env={**site.env, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with _site_process(site, cmd, env=env, log_name=log_name) as proc:
         wait_for_port(port, timeout_s=60, proc=proc)
         yield f"http://127.0.0.1:{port}", proc
-    finally:
-        stop_process_group(proc)
-        log.close()
 
 
 @contextlib.contextmanager
@@ -78,9 +72,16 @@ def running_ticks(site: PreparedSite, *, env: dict[str, str] | None = None,
                   log_name: str = "ticks.log") -> Iterator[subprocess.Popen]:
     """Run `manage.py run_ticks` for the prepared site: the periodic ticks (EWMA, AIMD, ...) that Celery beat
     runs in a deployment with a broker, where `serve` leaves them to it (a Redis URL is such a broker)."""
+    with _site_process(site, [sys.executable, "manage.py", "run_ticks"], env=env, log_name=log_name) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def _site_process(site: PreparedSite, cmd: list[str], *, env: dict[str, str] | None,
+                  log_name: str) -> Iterator[subprocess.Popen]:
+    """`cmd` in the site's environment (plus `env`), logged to `log_name`, stopped with its group at exit."""
     log = open(site.workdir / log_name, "w")  # noqa: SIM115  (closed in finally)
-    proc = subprocess.Popen([sys.executable, "manage.py", "run_ticks"], cwd=site.repo,
-                            env={**site.env, "PYTHONUNBUFFERED": "1", **(env or {})},
+    proc = subprocess.Popen(cmd, cwd=site.repo, env={**site.env, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc

@@ -484,10 +484,15 @@ class TokenPDPolicy(EvictionPolicy):
             return self.params.learning_rate
         return self.params.learning_rate * math.sqrt(horizon / max(horizon, self.busy_steps))
 
+    def _count_busy_step(self, view: PoolView) -> bool:
+        """Advance t of the step size; an empty batch ends the busy period (False)."""
+        self.busy_steps = self.busy_steps + 1 if view.running_rows.numel() else 0
+        return self.busy_steps > 0
+
     def end_step(self, view: PoolView, demand_tokens: int) -> None:
         if not self.use_price:
             return
-        self.busy_steps = self.busy_steps + 1 if view.running_rows.numel() else 0
+        self._count_busy_step(view)
         c = self.bytes_per_token
         budget_bytes = self.budget_tokens * c
         violation = (demand_tokens * c - budget_bytes) / budget_bytes
@@ -601,10 +606,8 @@ class PerRequestTokenPDPolicy(TokenPDPredictorPolicy):
 
     def end_step(self, view: PoolView, demand_tokens: int) -> None:
         self._ensure_rows(view.num_rows)
-        if view.running_rows.numel() == 0:
-            self.busy_steps = 0
+        if not self._count_busy_step(view):
             return
-        self.busy_steps += 1
         per_sequence_budget = max(1.0, self.budget_tokens / view.running_rows.numel())
         held = torch.bincount(view.owner[view.live], minlength=view.num_rows).double()
         violation = (held[view.running_rows] - per_sequence_budget) / per_sequence_budget
