@@ -20,10 +20,12 @@
 Room in the pool is read two ways. Physical: slots and KV bytes nobody is using. Entitled: what this
 request may claim, where the idle reservations of other dedicated and guaranteed entitlements are
 off limits (their baseline is never reclaimed, even when idle: seed 000, Table 1) and running
-preemptible work counts as room because it gives way. A request is free to start when both views
-have room ("idle pool slots"); when only the entitled view has room, evicting lower-priority
-preemptible work can make it (the decision's `evict` flag). Preemptible work itself may occupy
-idle reservations, since it is evicted as soon as the owner needs them back.
+preemptible work counts as room because it gives way; a request within its own reservation may always
+claim that much of it, even where work admitted before the other reservations were bound still
+fills theirs. A request is free to start when both views have room ("idle pool slots"); when only
+the entitled view has room, evicting lower-priority preemptible work can make it (the decision's
+`evict` flag). Preemptible work itself may occupy idle reservations, since it is evicted as soon as
+the owner needs them back.
 
 Nothing here mutates state or reads a clock: the caller passes a snapshot and applies the decision
 (`AdmissionLedger` does both for the simulator and the in-process gateway store).
@@ -393,10 +395,17 @@ def admit(
     if traits.evictable:
         entitled_slots, entitled_kv = physical_slots, physical_kv
     else:
-        entitled_slots = (
-            physical_slots + pool.evictable_running - (pool.reserved_idle_concurrency - own_idle_slots)
-        )
-        entitled_kv = physical_kv + pool.evictable_kv_bytes - (pool.reserved_idle_kv - own_idle_kv)
+        reachable_slots = physical_slots + pool.evictable_running
+        reachable_kv = physical_kv + pool.evictable_kv_bytes
+        entitled_slots = reachable_slots - (pool.reserved_idle_concurrency - own_idle_slots)
+        entitled_kv = reachable_kv - (pool.reserved_idle_kv - own_idle_kv)
+        # Within its own reservation a request claims that reservation, whatever the others' idle ones: work
+        # admitted before they were bound (or before the pool shrank) may still sit in their room, and
+        # deferring to them then would refuse the reservation it is owed.
+        if own_idle_slots > 0:
+            entitled_slots = max(entitled_slots, min(own_idle_slots, reachable_slots))
+        if own_idle_kv > 0:
+            entitled_kv = max(entitled_kv, min(own_idle_kv, reachable_kv))
     # Borrowing (checks 3 and 4) takes only room that is both idle and not reserved.
     free_slots = physical_slots if physical_slots < entitled_slots else entitled_slots
     free_kv = physical_kv if physical_kv < entitled_kv else entitled_kv

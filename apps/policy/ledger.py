@@ -578,9 +578,16 @@ class AdmissionLedger:
         if entry.evictable:
             return missing_slots, missing_kv, True
         record = entry.entitlement
+        # As in `admit`: other reservations' idle room is off limits, except that a request within its
+        # own reservation may claim that much of it.
+        unreachable_slots = missing_slots - self.evictable_running
+        unreachable_kv = missing_kv - self.evictable_kv
         entitled = (
-            missing_slots - self.evictable_running + (self.reserved_idle_slots - record.idle_slots) <= 0
-            and missing_kv - self.evictable_kv + (self.reserved_idle_kv - record.idle_kv) <= 1e-9
+            unreachable_slots + (self.reserved_idle_slots - record.idle_slots) <= 0
+            or (record.idle_slots > 0 and unreachable_slots <= 0)
+        ) and (
+            unreachable_kv + (self.reserved_idle_kv - record.idle_kv) <= 1e-9
+            or (record.idle_kv > 0 and entry.kv - record.idle_kv <= 1e-9 and unreachable_kv <= 1e-9)
         )
         return missing_slots, missing_kv, entitled
 

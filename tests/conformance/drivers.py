@@ -12,12 +12,20 @@ from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import GatewayStateStore, Reservation
-from apps.policy import AdmissionDecision, AdmissionLedger, AdmissionRequest, EntitlementState, ManualClock
+from apps.policy import (
+    AdmissionDecision,
+    AdmissionLedger,
+    AdmissionRequest,
+    EntitlementLimits,
+    EntitlementState,
+    ManualClock,
+)
 from apps.policy.admission import resolved_max_tokens
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding
 from apps.policy.window import WindowReading
 from tests.conformance.scenarios import (
     CONFIG,
+    Bind,
     Cancel,
     Complete,
     Expire,
@@ -32,15 +40,15 @@ from tests.conformance.scenarios import (
 POOL = "conformance"
 
 
-def pool_info(scenario: Scenario) -> PoolInfo:
+def pool_info(scenario: Scenario, entitlements: tuple[EntitlementLimits, ...]) -> PoolInfo:
     reserved = tuple(
         (e.entitlement_id, e.concurrency or 0, float(e.kv_bytes or 0.0))
-        for e in scenario.entitlements if e.traits.reserved and e.state is EntitlementState.BOUND
+        for e in entitlements if e.traits.reserved and e.state is EntitlementState.BOUND
     )
     return PoolInfo(
         name=POOL, model_name="m", replica_urls=("http://backend",), concurrency_capacity=scenario.pool.slots,
         kv_capacity=scenario.pool.kv_capacity, kv_bytes_per_token=0, context_window=4096,
-        mean_slo_ms=scenario.pool.mean_slo_ms, reserved=reserved, entitlements=scenario.entitlements,
+        mean_slo_ms=scenario.pool.mean_slo_ms, reserved=reserved, entitlements=entitlements,
     )
 
 
@@ -71,6 +79,9 @@ class Quotas:
         if not charges or max_tokens is None:
             return None
         return QuotaClaim(step.rid, step.input_tokens, max_tokens, charges, self.clock.now(), scope=self.SCOPE)
+
+    def bind(self, limits: EntitlementLimits) -> None:
+        self.limits[limits.entitlement_id] = limits
 
     def roll(self, window_id: str) -> None:
         self.charges = {name: tuple(replace(c, window_id=window_id, seed_used=0.0) for c in charges)
@@ -113,6 +124,10 @@ class LedgerDriver:
             return {"state": ledger.request_state(step.rid) or "rejected", "started": result.started,
                     "evicted": result.evicted, **decision_figures(result.decision),
                     "quota": standing_figures(None if result.quota is None else result.quota.standing)}
+        if isinstance(step, Bind):
+            ledger.upsert_entitlement(step.limits, now)
+            self.quotas.bind(step.limits)
+            return {}
         if isinstance(step, NewWindow):
             self.quotas.roll(step.window_id)
             return {}
@@ -153,7 +168,7 @@ class StoreDriver:
     async def start(self, scenario: Scenario, clock: ManualClock) -> None:
         self.clock, self.scenario = clock, scenario
         self.store = self._store(clock)
-        self.pool = pool_info(scenario)
+        self.pool = pool_info(scenario, scenario.entitlements)
         self.limits = {limits.entitlement_id: limits for limits in scenario.entitlements}
         self.reservations: dict[str, Reservation] = {}
         self.quotas = Quotas(scenario, clock)
@@ -172,6 +187,12 @@ class StoreDriver:
                 self.reservations[step.rid] = offer.reservation
             return {"state": offer.state, "started": offer.started, "evicted": offer.evicted,
                     **decision_figures(offer.decision), "quota": standing_figures(offer.quota)}
+        if isinstance(step, Bind):
+            self.limits[step.limits.entitlement_id] = step.limits
+            self.quotas.bind(step.limits)
+            self.pool = pool_info(self.scenario, tuple(self.limits.values()))
+            await store.sync_pool(pool=self.pool)
+            return {}
         if isinstance(step, NewWindow):
             self.quotas.roll(step.window_id)
             return {}
@@ -192,7 +213,7 @@ class StoreDriver:
                 await store.release(reservation=self.reservations[rid], prompt_tokens=0, completion_tokens=0)
             return {"expired": expired}
         if isinstance(step, Tick):
-            return tick_figures(await store.tick(entitlements={POOL: self.scenario.entitlements}))
+            return tick_figures(await store.tick(entitlements={POOL: tuple(self.limits.values())}))
         if isinstance(step, Usage):
             usage = await store.entitlement_usage(limits=self.limits[step.ent], pool=POOL)
             return {"in_flight": usage.in_flight, "running": usage.running, "tokens": usage.tokens_available}

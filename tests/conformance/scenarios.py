@@ -66,6 +66,13 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Bind:
+    """An entitlement bound while the pool runs (a manifest applied): from now on it holds its reservation."""
+
+    limits: EntitlementLimits
+
+
+@dataclass(frozen=True)
 class Expire:
     expect: tuple[str, ...] | None = None
 
@@ -209,6 +216,33 @@ SCENARIOS: tuple[Scenario, ...] = (
             At(0.4),
             Complete("hi", output=20, started=("lo",)),
             Complete("lo", output=20, started=()),
+        ),
+    ),
+    Scenario(
+        # Spot work admitted before guaranteed "late" was bound fills its reservation. Each guaranteed request
+        # within its own reservation may take the room there is (deferring to the other's idle reservation
+        # would make both wait, and expire, until the spot work is gone): at an offer and as a waiter. Spot
+        # takes none of the idle reservations meanwhile.
+        "reservations are honoured while spot work fills one bound after it", Pool(slots=4),
+        (ent("early", "guaranteed", concurrency=2), ent("cheap", "spot", concurrency=2)),
+        (
+            Offer("e1", "early", expect="running"),
+            Offer("e2", "early", expect="running"),
+            Offer("s1", "cheap", expect="running"),
+            Offer("s2", "cheap", expect="running"),
+            Bind(ent("late", "guaranteed", concurrency=2)),
+            At(0.5),
+            Complete("e1", output=20, started=()),
+            Offer("l1", "late", expect="running", reason="admitted"),
+            Offer("e3", "early", expect="waiting", reason="queued"),
+            At(0.6),
+            Complete("s1", output=20, started=("e3",)),
+            Offer("s3", "cheap", expect="rejected", reason="pool_contended"),
+            Complete("s2", output=20, started=()),
+            Offer("s4", "cheap", expect="rejected", reason="pool_contended"),
+            Offer("l2", "late", expect="running", reason="admitted"),
+            Usage("late", in_flight=2, running=2),
+            Usage("early", in_flight=2, running=2),
         ),
     ),
     Scenario(

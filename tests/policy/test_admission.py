@@ -115,6 +115,29 @@ def test_check_3_idle_reserved_slots_are_not_borrowable() -> None:
     assert admit(owner, EntitlementUsage(), pool, request()).admitted
 
 
+def test_a_request_within_its_reservation_claims_it_while_others_idle_reservations_are_filled() -> None:
+    # 16 slots: this guaranteed entitlement runs 5 of its 6, spot admitted before another guaranteed one was
+    # bound still runs 10, so that one's 6 idle slots and this one's 1 exceed the 1 free slot.
+    owner = limits(entitlement_id="g", service_class="guaranteed", concurrency=6)
+    pool = PoolUsage(concurrency_capacity=16, running=15, reserved_idle_concurrency=7, admission_threshold=1.0)
+    assert admit(owner, EntitlementUsage(in_flight=5, running=5), pool, request()).admitted
+    # Nothing of its own idle: the others' idle reservations stay off limits, and spot is refused outright.
+    full_owner = admit(owner, EntitlementUsage(in_flight=6, running=6), pool._replace(reserved_idle_concurrency=6),
+                       request())
+    assert full_owner.reason == "concurrency_limit_exceeded"
+    assert admit(limits(service_class="spot"), EntitlementUsage(), pool, request()).reason == "pool_contended"
+    # The same for KV bytes: 40 bytes of its own idle reservation, 50 free, another's 100 idle.
+    kv = {"kv_bytes": 100.0, "kv_bytes_per_token": 2.0}  # a 20-token request needs 40 bytes
+    kv_owner = limits(service_class="guaranteed", concurrency=None, **kv)
+    kv_pool = PoolUsage(concurrency_capacity=16, kv_capacity=1000.0, kv_bytes_running=950.0, reserved_idle_kv=140.0,
+                        admission_threshold=1.0)
+    assert admit(kv_owner, EntitlementUsage(kv_bytes_in_flight=60.0, kv_bytes_running=60.0), kv_pool,
+                 request()).admitted
+    short = admit(kv_owner, EntitlementUsage(kv_bytes_in_flight=60.0, kv_bytes_running=60.0),
+                  kv_pool._replace(kv_bytes_running=970.0), request())
+    assert short.queued and not short.admitted  # 30 bytes free: not room enough for 40, even of its own
+
+
 def test_check_4_token_bucket_with_retry_after() -> None:
     decision = admit(limits(tokens_per_second=10), EntitlementUsage(tokens_available=5), POOL, request())
     assert decision.reason == "rate_limit_exceeded" and decision.check == 4

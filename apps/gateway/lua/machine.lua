@@ -308,8 +308,12 @@ local function room_for(pool, r)
   local missing_kv = r.kv - (pool.kv_cap - pool.kv)
   if r.ev == 1 then return missing_slots, missing_kv, true end
   local slots, kv, own_slots, own_kv = reserved_idle(r.ent)
-  local entitled = missing_slots - pool.ev_n + (slots - own_slots) <= 0
-    and missing_kv - pool.ev_kv + (kv - own_kv) <= 1e-9
+  -- other reservations' idle room is off limits, except that a request within its own may claim that much
+  local unreachable_slots = missing_slots - pool.ev_n
+  local unreachable_kv = missing_kv - pool.ev_kv
+  local entitled = (unreachable_slots + (slots - own_slots) <= 0 or (own_slots > 0 and unreachable_slots <= 0))
+    and (unreachable_kv + (kv - own_kv) <= 1e-9
+      or (own_kv > 0 and r.kv - own_kv <= 1e-9 and unreachable_kv <= 1e-9))
   return missing_slots, missing_kv, entitled
 end
 
