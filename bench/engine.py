@@ -250,9 +250,13 @@ def prompt_ids(index: int, length: int, vocab: int, seed: int) -> list[int]:
 
 
 def bench_throughput_inprocess(
-    model_dir: str, policy: str, streams: int, budget_tokens: int, workload: list[WorkloadRequest], seed: int
+    model_dir: str, policy: str, streams: int, budget_tokens: int, workload: list[WorkloadRequest], seed: int,
+    prompts: list[list[int]] | None = None, generated_ids: dict[int, list[int]] | None = None,
 ) -> dict[str, float]:
-    """Benchmark 2 in one process: the scheduler stepped in a loop, requests submitted at their arrival."""
+    """Benchmark 2 in one process: the scheduler stepped in a loop, requests submitted at their arrival.
+
+    `prompts` replaces the random prompts (request i gets `prompts[i]`); `generated_ids`, when given,
+    collects each request's output tokens by its index (the long-context benchmark scores them)."""
     from backends.engine import (
         BatchSchedulerConfig,
         CompletedEvent,
@@ -294,7 +298,7 @@ def bench_throughput_inprocess(
             request = PromptRequest(
                 tenants[next_index % 4],
                 f"r{next_index}",
-                tuple(prompt_ids(next_index, item.prompt_len, vocab, seed)),
+                tuple(prompts[next_index] if prompts else prompt_ids(next_index, item.prompt_len, vocab, seed)),
                 SamplingParams(max_tokens=item.output_len, ignore_eos=True),
             )
             scheduler.submit(request)
@@ -306,6 +310,8 @@ def bench_throughput_inprocess(
         for event in scheduler.step():
             if isinstance(event, TokenEvent):
                 generated += 1
+                if generated_ids is not None:
+                    generated_ids.setdefault(int(event.request_id[1:]), []).append(event.token)
             elif isinstance(event, CompletedEvent):
                 latencies.append(time.perf_counter() - arrived_at[event.request_id])
     wall = time.perf_counter() - started

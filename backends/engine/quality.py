@@ -31,6 +31,9 @@ class QualityResult:
     top1_agreement: float
     peak_used_tokens: int
     preemptions: int
+    # Share of the answer tokens (long-range tasks, `backends.engine.long_context`) predicted right; None
+    # when the texts have no answers.
+    recall_accuracy: float | None = None
 
 
 def teacher_forced_logprobs(
@@ -75,6 +78,21 @@ def full_cache_reference(model_dir: str, texts: list[list[int]], prefix: int) ->
     return reference
 
 
+def answer_accuracy(
+    texts: list[list[int]], answers: list[list[int]], logprobs: list[torch.Tensor], prefix: int
+) -> float:
+    """Share of the answer positions (indices into each text) whose token is its row's argmax; rows start
+    at `prefix`. A sequence with fewer rows (preempted) counts its missing answers as wrong."""
+    right, total = 0, 0
+    for text, indices, rows in zip(texts, answers, logprobs, strict=True):
+        count = rows.shape[0] if rows.numel() else 0
+        for index in indices:
+            total += 1
+            row = index - prefix
+            right += int(0 <= row < count and int(rows[row].argmax()) == text[index])
+    return right / max(1, total)
+
+
 def score_policy(
     model_dir: str,
     policy: str,
@@ -82,8 +100,10 @@ def score_policy(
     texts: list[list[int]],
     prefix: int,
     reference: list[torch.Tensor],
+    answers: list[list[int]] | None = None,
 ) -> QualityResult:
-    """Perplexity, KL from `reference` and top-1 agreement of one policy at one shared budget."""
+    """Perplexity, KL from `reference` and top-1 agreement of one policy at one shared budget, and the
+    recall accuracy on `answers` when given."""
     got, runner = teacher_forced_logprobs(model_dir, policy, budget, texts, prefix)
     nll, kl, agree, count = 0.0, 0.0, 0, 0
     for text, full, logprobs in zip(texts, reference, got, strict=True):
@@ -103,6 +123,7 @@ def score_policy(
         top1_agreement=agree / max(1, count),
         peak_used_tokens=runner.stats.peak_used_tokens,
         preemptions=runner.stats.preemptions,
+        recall_accuracy=None if answers is None else answer_accuracy(texts, answers, got, prefix),
     )
 
 
@@ -176,8 +197,13 @@ def iso_quality_budget(
     resolution_tokens: int = 1,
     sink_tokens: int = 4,
     recent_tokens: int = 8,
+    answers: list[list[int]] | None = None,
+    reference_accuracy: float | None = None,
+    accuracy_tolerance: float = 0.01,
 ) -> IsoQualityResult:
-    """Smallest shared budget M with perplexity <= (1 + tolerance) x the full cache's and no preemption.
+    """Smallest shared budget M with perplexity <= (1 + tolerance) x the full cache's and no preemption,
+    and, with `answers`, recall accuracy at least the full cache's `reference_accuracy` less
+    `accuracy_tolerance` (0.01: one point).
 
     Below one protected window per sequence plus its next token every step preempts, so the search
     starts just above `len(texts) * (sinks + recent)`; the full need always passes for a policy that
@@ -187,9 +213,14 @@ def iso_quality_budget(
     runs: dict[int, QualityResult] = {}
 
     def passes(budget: int) -> bool:
-        result = score_policy(model_dir, policy, budget, texts, prefix, reference)
+        result = score_policy(model_dir, policy, budget, texts, prefix, reference, answers)
         runs[budget] = result
-        return result.preemptions == 0 and result.perplexity <= (1 + tolerance) * reference_perplexity
+        recalls = (
+            result.recall_accuracy is None
+            or reference_accuracy is None
+            or result.recall_accuracy >= reference_accuracy - accuracy_tolerance
+        )
+        return result.preemptions == 0 and result.perplexity <= (1 + tolerance) * reference_perplexity and recalls
 
     floor = len(texts) * (sink_tokens + recent_tokens)
     budget, _ = smallest_passing(floor, need, passes, resolution_tokens)
