@@ -15,13 +15,12 @@ that a few minutes of training see each of them often.
     python -m backends.engine.long_context --out backends/engine/assets/tiny-recall --minutes 26
 
 trains one on CPU: text mixed with dense copies (spans repeated a few tokens later), then with both tasks
-too, their distance growing to the whole context. It starts from the
-`tiny-stdlib` tokenizer, so the same held-out files serve as filler.
+too, their distance growing to the whole context. It uses the `tiny-stdlib` tokenizer, so the same
+held-out files serve as filler.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -190,11 +189,11 @@ def _batch(spec: LongContextSpec, text: torch.Tensor, rng: random.Random, reach:
 
 
 def train(out: Path, spec: LongContextSpec, progress: bool = True) -> dict:
-    from safetensors.torch import save_file
+    """Train for `spec.minutes`, write the model folder to `out` with `train_report.json` (the loss history
+    and the held-out recall accuracy by window), and return the report."""
     from tokenizers import Tokenizer
 
-    from backends.engine.tiny_model import TinyModelSpec, llama_config
-    from backends.engine.train_tiny import TrainableLlama, TrainSpec
+    from backends.engine.train_tiny import TrainableLlama, TrainSpec, save_llama_folder
 
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
@@ -206,7 +205,7 @@ def train(out: Path, spec: LongContextSpec, progress: bool = True) -> dict:
     text = _training_text(spec, tokenizer)
     shape = TrainSpec(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                       num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-                      num_key_value_heads=spec.num_key_value_heads, context=spec.context)
+                      num_key_value_heads=spec.num_key_value_heads, context=spec.context, seed=spec.seed)
     model = TrainableLlama(shape, vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.05, betas=(0.9, 0.98))
     started = time.monotonic()
@@ -245,16 +244,7 @@ def train(out: Path, spec: LongContextSpec, progress: bool = True) -> dict:
                       flush=True)
     bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
     assert bos is not None and eos is not None, "the tiny-stdlib tokenizer has <s> and </s>"
-    model_spec = TinyModelSpec(vocab_size=vocab_size, hidden_size=spec.hidden_size,
-                               intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                               num_attention_heads=spec.num_attention_heads,
-                               num_key_value_heads=spec.num_key_value_heads, seed=spec.seed)
-    config = llama_config(model_spec, vocab_size, bos, eos)
-    config["torch_dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos,
-                                                            "do_sample": False}, indent=2))
-    save_file(model.hf_state_dict(torch.bfloat16), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_llama_folder(out, model, vocab_size, bos, eos)
     sequences = held_out_tasks(out, 32, spec.context)
     by_window = {str(w): windowed_accuracy(out, sequences, w) for w in (64, 128, 256, None)}
     report = {"spec": asdict(spec), "steps": step, "seconds": round(time.monotonic() - started, 1),
@@ -264,18 +254,13 @@ def train(out: Path, spec: LongContextSpec, progress: bool = True) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("backends/engine/assets/tiny-recall"))
-    defaults = LongContextSpec()
-    for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    args = parser.parse_args(argv)
-    spec = LongContextSpec(**{name: getattr(args, name) for name in asdict(defaults)})
-    report = train(args.out, spec)
-    reach = report["held_out_recall_accuracy"]
-    print(f"wrote {args.out}: {report['steps']} steps; held-out recall accuracy, full cache {reach['None']:.3f}, "
-          + ", ".join(f"sinks + last {w} {reach[w]:.3f}" for w in ("64", "128", "256")))
+    from backends.engine.train_tiny import parse_spec
 
+    out, spec = parse_spec(LongContextSpec(), Path("backends/engine/assets/tiny-recall"), argv, __doc__)
+    report = train(out, spec)
+    by_window = report["held_out_recall_accuracy"]
+    print(f"wrote {out}: {report['steps']} steps; held-out recall accuracy, full cache {by_window['None']:.3f}, "
+          + ", ".join(f"sinks + last {w} {by_window[w]:.3f}" for w in ("64", "128", "256")))
 
 if __name__ == "__main__":
     main()

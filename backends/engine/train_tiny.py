@@ -20,7 +20,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -207,8 +207,6 @@ def evaluate(model: TrainableLlama, data: torch.Tensor, context: int, windows: i
 
 
 def train(out: Path, spec: TrainSpec) -> dict:
-    from safetensors.torch import save_file
-
     if spec.threads:
         torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
@@ -246,22 +244,7 @@ def train(out: Path, spec: TrainSpec) -> dict:
             )
             print(f"step {step} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)", flush=True)
     held_out_loss = evaluate(model, held_out_ids, spec.context)
-    model_spec = TinyModelSpec(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        seed=spec.seed,
-    )
-    config = llama_config(model_spec, vocab_size, bos_id, eos_id)
-    config["torch_dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}, indent=2)
-    )
-    save_file(model.hf_state_dict(torch.bfloat16), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_llama_folder(out, model, vocab_size, bos_id, eos_id)
     report = {
         "spec": asdict(spec),
         "steps": step,
@@ -276,21 +259,45 @@ def train(out: Path, spec: TrainSpec) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def save_llama_folder(out: Path, model: TrainableLlama, vocab_size: int, bos_id: int, eos_id: int) -> None:
+    """Write `model` as a Hugging Face Llama folder (config, generation config, bfloat16 weights) that the
+    engine and vLLM load; the tokenizer files are the caller's."""
+    from safetensors.torch import save_file
+
+    spec = model.spec
+    model_spec = TinyModelSpec(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        seed=spec.seed,
     )
-    parser.add_argument("--out", type=Path, default=Path("backends/engine/assets/tiny-stdlib"))
-    defaults = TrainSpec()
+    config = llama_config(model_spec, vocab_size, bos_id, eos_id)
+    config["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}, indent=2)
+    )
+    save_file(model.hf_state_dict(torch.bfloat16), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def parse_spec(defaults: Any, out: Path, argv: list[str] | None, description: str | None) -> tuple[Path, Any]:
+    """`--out` and one `--field-name` option per field of the dataclass `defaults`; returns the folder and
+    a spec of the same class with what the command line changed."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=out)
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = parser.parse_args(argv)
-    spec = TrainSpec(**{name: getattr(args, name) for name in asdict(defaults)})
-    report = train(args.out, spec)
-    print(
-        f"wrote {args.out}: {report['steps']} steps, held-out perplexity {report['held_out_perplexity']:.1f}"
-    )
+    return args.out, type(defaults)(**{name: getattr(args, name) for name in asdict(defaults)})
 
+
+def main(argv: list[str] | None = None) -> None:
+    out, spec = parse_spec(TrainSpec(), Path("backends/engine/assets/tiny-stdlib"), argv, __doc__)
+    report = train(out, spec)
+    print(f"wrote {out}: {report['steps']} steps, held-out perplexity {report['held_out_perplexity']:.1f}")
 
 if __name__ == "__main__":
     main()
