@@ -25,6 +25,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.engine import iso_ratios, throughput_ratios
 from bench.results import machine_description, write_rendered_section
 
 SECTION_TITLE = "## Inference engine on long context (`make bench-engine-recall`)"
@@ -129,24 +130,14 @@ def throughput_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
               f"{r['copy_accuracy']:.3f} | {r['preemptions']} | {r['evicted']} |" for r in rows]
     lines += ["", "| streams | Token-PD / FIFO tok/s (target >= 1.3 at equal quality) | accuracy Token-PD, FIFO |",
               "|---:|---|---|"]
-    for streams in sorted({r["streams"] for r in rows}):
-        by = {r["policy"]: r for r in rows if r["streams"] == streams}
-        mine, fifo = by.get("token-pd"), by.get("fifo")
-        if mine is None or fifo is None:
-            continue
-        value = mine["tokens_per_s"] / fifo["tokens_per_s"]
+    by_key = {(r["policy"], r["streams"]): r for r in rows}
+    speedups = throughput_ratios([(r["policy"], r["streams"], r) for r in rows], base="fifo")
+    for streams, value in sorted(speedups.items()):
+        mine, fifo = by_key[("token-pd", streams)], by_key[("fifo", streams)]
         equal = mine["copy_accuracy"] >= fifo["copy_accuracy"] - 0.01
         mark = "met" if value >= 1.3 and equal else "NOT met"
         lines.append(f"| {streams} | {value:.2f} ({mark}) | {mine['copy_accuracy']:.3f}, {fifo['copy_accuracy']:.3f} |")
     return lines
-
-
-def ratio(found: list, mine: str, other: str) -> float | None:
-    by_policy = {iso.policy: iso for iso in found}
-    a, b = by_policy.get(mine), by_policy.get(other)
-    if a is None or b is None or a.peak_kv_bytes is None or b.peak_kv_bytes is None:
-        return None
-    return a.peak_kv_bytes / b.peak_kv_bytes
 
 
 def render(args: argparse.Namespace, command: str, figures: dict) -> str:
@@ -188,8 +179,9 @@ def render(args: argparse.Namespace, command: str, figures: dict) -> str:
         lines.append(f"| {iso.policy} | {iso.budget_tokens:,} | {iso.budget_tokens / figures['need']:.0%} | "
                      f"{r.recall_accuracy:.3f} | {r.perplexity:.3f} | {iso.peak_kv_bytes:,} |")
     lines += ["", "| target (seed 001) | Token-PD peak KV / theirs | |", "|---|---:|---|"]
+    ratios = iso_ratios(figures["found"])
     for other, target in TARGETS.items():
-        value = ratio(figures["found"], "token-pd", other)
+        value = ratios[other]["peak_bytes"]
         mark = "not measured" if value is None else ("met" if value <= target else "NOT met")
         shown = "–" if value is None else f"{value:.2f}"
         lines.append(f"| Token-PD <= {target:.1f}x {other.upper()} | {shown} | {mark} |")

@@ -21,6 +21,7 @@ held-out files serve as filler.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -73,25 +74,33 @@ def task_sequence(rng: random.Random, kind: str, filler: list[int], length: int,
     return TaskSequence(kind, ids, [start + a for a in answers], start - (1 + lead))
 
 
-def held_out_tasks(model_dir: str | Path, count: int, length: int, seed: int = 7,
-                   kinds: tuple[str, ...] = KINDS) -> list[TaskSequence]:
-    """`count` sequences of the `kinds` in turn (copy and recall), whose filler is text the model never
-    saw (the held-out standard-library files), each at the longest distance `length` allows."""
+@functools.lru_cache(maxsize=4)
+def _held_out_text(tokenizer_file: str) -> tuple[int, ...]:
+    """The held-out standard-library files as one token sequence (read and encoded once per tokenizer)."""
     from tokenizers import Tokenizer
 
     from backends.engine.train_tiny import corpus_files
 
-    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(tokenizer_file)
     _, held_out = corpus_files()
     text: list[int] = []
     for encoding in tokenizer.encode_batch([p.read_text(encoding="utf-8") for p in held_out],
                                            add_special_tokens=False):
         text.extend(encoding.ids)
+    return tuple(text)
+
+
+def held_out_tasks(model_dir: str | Path, count: int, length: int, seed: int = 7,
+                   kinds: tuple[str, ...] = KINDS) -> list[TaskSequence]:
+    """`count` sequences of the `kinds` in turn (copy and recall), whose filler is text the model never
+    saw (the held-out standard-library files), each at the longest distance `length` allows."""
+    text = _held_out_text(str((Path(model_dir) / "tokenizer.json").resolve()))
     rng = random.Random(seed)
     sequences = []
     for index in range(count):
         start = rng.randrange(0, len(text) - length)
-        sequences.append(task_sequence(rng, kinds[index % len(kinds)], text[start : start + length], length))
+        filler = list(text[start : start + length])
+        sequences.append(task_sequence(rng, kinds[index % len(kinds)], filler, length))
     return sequences
 
 
@@ -124,18 +133,6 @@ class LongContextSpec:
     minutes: float = 26.0
     seed: int = 0
     corpus_bytes: int = 40_000_000
-
-
-def _training_text(spec: LongContextSpec, tokenizer) -> torch.Tensor:
-    from backends.engine.train_tiny import corpus_files
-
-    train_files, _ = corpus_files(spec.corpus_bytes)
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch([p.read_text(encoding="utf-8") for p in train_files],
-                                           add_special_tokens=False):
-        ids.extend(encoding.ids)
-        ids.append(2)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def _dense_copies(rng: random.Random, filler: list[int], length: int) -> tuple[list[int], list[int]]:
@@ -193,7 +190,7 @@ def train(out: Path, spec: LongContextSpec, progress: bool = True) -> dict:
     and the held-out recall accuracy by window), and return the report."""
     from tokenizers import Tokenizer
 
-    from backends.engine.train_tiny import TrainableLlama, TrainSpec, save_llama_folder
+    from backends.engine.train_tiny import TrainableLlama, TrainSpec, corpus, save_llama_folder
 
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
@@ -202,10 +199,11 @@ def train(out: Path, spec: LongContextSpec, progress: bool = True) -> dict:
         shutil.copy(TOKENIZER_FROM / name, out / name)
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     vocab_size = tokenizer.get_vocab_size()
-    text = _training_text(spec, tokenizer)
     shape = TrainSpec(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                       num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-                      num_key_value_heads=spec.num_key_value_heads, context=spec.context, seed=spec.seed)
+                      num_key_value_heads=spec.num_key_value_heads, context=spec.context, seed=spec.seed,
+                      corpus_bytes=spec.corpus_bytes)
+    text, _ = corpus(shape, tokenizer)
     model = TrainableLlama(shape, vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.05, betas=(0.9, 0.98))
     started = time.monotonic()

@@ -299,5 +299,6 @@ def main(argv: list[str] | None = None) -> None:
     report = train(out, spec)
     print(f"wrote {out}: {report['steps']} steps, held-out perplexity {report['held_out_perplexity']:.1f}")
 
+
 if __name__ == "__main__":
     main()
