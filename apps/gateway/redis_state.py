@@ -80,11 +80,12 @@ CAS_BACKOFF_S = 0.0005
 CAS_BACKOFF_CAP_S = 0.05
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
-           "slot_acquire", "slots_renew", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read")
+           "slot_acquire", "slots_renew", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read",
+           "fields")
 
 
 # Entries that only read (Redis may run them anywhere, replicas included).
-READ_ONLY = frozenset({"read", "quota_read"})
+READ_ONLY = frozenset({"read", "quota_read", "fields"})
 # A tenant's quota hash outlives the longest window (a month) by a few days.
 QUOTA_TTL_S = 35 * 86400
 
@@ -416,27 +417,25 @@ class RedisStateStore(GatewayStateStore):
         usage, _pool, _version = await self._snapshot(limits, info, 0.0)
         return usage
 
+    async def record_fields(self, *, pool: str, field: str, records: Sequence[str]) -> list[Any]:
+        """`field` of each of the pool's records ("pool", "ent:<id>", "req:<id>"; MessagePack maps that only
+        the scripts decode): a number as its exact decimal string, a string as stored, None when absent."""
+        if not records:
+            return []
+        return [value or None for value in await self._call("fields", [self._base(pool)], [field, *records])]
+
     async def pool_running(self, *, pool: str) -> int:
-        return int(_float(await self._redis(self.redis.hget(self._base(pool) + "pool", "running"))))
+        return int(_float((await self.record_fields(pool=pool, field="running", records=["pool"]))[0]))
 
     async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
         names = [limits.entitlement_id for limits in pool.entitlements]
-        if not names:
-            return {}
-        base = self._base(pool.name)
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.hget(f"{base}ent:{name}", "in_flight")
-                values = await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
+        values = await self.record_fields(pool=pool.name, field="in_flight", records=[f"ent:{name}" for name in names])
         return {name: int(_float(value)) for name, value in zip(names, values, strict=True)}
 
     async def request_state(self, *, reservation: Reservation) -> str | None:
-        key = f"{self._base(reservation.pool)}req:{reservation.request_id}"
-        state = await self._redis(self.redis.hget(key, "state"))
-        return state or None
+        values = await self.record_fields(pool=reservation.pool, field="state",
+                                          records=[f"req:{reservation.request_id}"])
+        return values[0]
 
     # --- usage counted by the releases ------------------------------------------------------------------
 

@@ -121,10 +121,12 @@ def test_beat_moves_debt_and_aimd_budget_through_redis(worker: dict[str, Any]) -
     store = RedisStateStore(url=worker["url"])
     control = RedisControlState(url=worker["url"])
     ids = itertools.count()
-    shared = redis.Redis.from_url(worker["url"], decode_responses=True)
+
+    def dynamics(name: str) -> str | None:
+        return loop.run_until_complete(store.record_fields(pool="tiny", field=name, records=["ent:elastic-a"]))[0]
 
     def debt() -> float:
-        return float(shared.hget("tp:gw:{tiny}:ent:elastic-a", "debt") or 0.0)
+        return float(dynamics("debt") or 0.0)
 
     def refuse() -> None:  # the gateway turning 50 tokens away for lack of capacity (a waiter that expires)
         async def once() -> None:
@@ -150,7 +152,7 @@ def test_beat_moves_debt_and_aimd_budget_through_redis(worker: dict[str, Any]) -
         rising = _wait_until(debt, lambda d: d > 0.5, worker, "debt rising above 0.5", act=refuse)
         peak = rising[-1]
         assert rising[0] < peak
-        assert shared.hget("tp:gw:{tiny}:ent:elastic-a", "burst") is not None
+        assert dynamics("burst") is not None
 
         # 2. Recovered: everything it asks for is served, so each tick shrinks the debt (gap <= 0).
         decaying = _wait_until(debt, lambda d: d < 0.1, worker, "debt decaying below 0.1", act=serve)
@@ -199,7 +201,6 @@ def test_beat_moves_debt_and_aimd_budget_through_redis(worker: dict[str, Any]) -
         loop.run_until_complete(store.close())
         loop.close()
         control.close()
-        shared.close()
 
     log = worker["log"].read_text()
     assert "Sending due task tick-ewma" in log and "Sending due task tick-aimd" in log

@@ -1,3 +1,8 @@
 -- DYNAMICS: the new debt and burst of the pool's entitlements after a tick.  ARGV: id, debt, burst, ...
-for i = 1, #ARGV, 3 do redis.call('HSET', ent_key(ARGV[i]), 'debt', ARGV[i + 1], 'burst', ARGV[i + 2]) end
+for i = 1, #ARGV, 3 do
+  local e = load(ent_key(ARGV[i]))
+  e.debt, e.burst = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  touch(e)
+end
+save()
 return 1

@@ -5,27 +5,29 @@
 -- the library is compiled and set up once, not on every call; `bind` points it at the call's keys.
 --
 -- KEYS[1] is the pool's key prefix, `tp:gw:{<pool>}:` (one hash tag: a pool's keys share a cluster slot).
---   pool      hash  levels and configuration of the pool (running, kv, ev_n, ev_kv, waiting, seq, cap,
---                   kv_cap, sat, timeout, max_ev, last_tick, ver)
---   ent:<id>  hash  one entitlement: in_flight, kv_in_flight, running, kv_running, its token bucket
---                   (bcap: -1 when unlimited, brate, level, ts), debt, burst, and the served/demand window
---                   (last_change, slot_s, kv_s, wait_s, tok, done, rej_n, rej_tok, rej_kv)
---   req:<id>  hash  one waiting or running request (ent, prio, cost, kv, input, max, ev, state, enq, seq,
---                   wm, em)
+-- Records (one MessagePack map each, read and written whole: a Lua loop over hash fields, formatting and
+-- parsing every number, cost more than the transitions themselves):
+--   pool      levels and configuration of the pool (running, kv, ev_n, ev_kv, waiting, seq, cap, kv_cap, sat,
+--             timeout, max_ev, last_tick, ver, res_sig)
+--   ent:<id>  one entitlement: in_flight, kv_in_flight, running, kv_running, its token bucket (bcap: -1 when
+--             unlimited, brate, level, ts), debt, burst, and the served/demand window (last_change, slot_s,
+--             kv_s, wait_s, tok, done, rej_n, rej_tok, rej_kv)
+--   req:<id>  one waiting or running request (ent, prio, cost, kv, input, max, ev, state, enq, seq, wm, em)
+-- Indexes:
 --   prio      zset  running requests by priority (the admission threshold is the lowest)
 --   evict     zset  running preemptible requests by priority; members sort newest dispatch first
 --   wait      zset  waiting requests by -priority; members sort by arrival
 --   wait_t    zset  waiting requests by arrival time (the acquire timeout expires the oldest first)
 --   res       hash  Bound dedicated/guaranteed entitlements of the pool: id -> "concurrency kv_bytes"
 --   leases    zset  requests by lease deadline (a process that dies stops renewing them)
--- Numbers are stored with 17 significant digits so that every double survives the round trip.
+-- MessagePack keeps every double exactly; scores and replies are formatted with 17 significant digits.
 
 local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES
 local EVENTS = 'tp:gw:events'
-local STRINGS = {ent = true, state = true, wm = true, em = true}
--- Records are read once per call into tables and written back by `save` (the fields that changed, of the
--- records touched).
-local cache, dirty, order, loaded
+-- Fields of a loaded record that are the cache's own, never stored.
+local PRIVATE = {_key = true, _new = true, _id = true}
+-- Records are read once per call into tables and written back by `save` (the records touched).
+local cache, dirty, order
 
 -- One call's keys and arguments, and a fresh record cache (Redis runs one call at a time).
 local function bind(keys, args)
@@ -33,7 +35,7 @@ local function bind(keys, args)
   BASE = keys[1]
   POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
   RES, LEASES = BASE .. 'res', BASE .. 'leases'
-  cache, dirty, order, loaded = {}, {}, {}, {}
+  cache, dirty, order = {}, {}, {}
 end
 
 local function fmt(x)
@@ -58,17 +60,10 @@ end
 local function load(key)
   local t = cache[key]
   if t == nil then
-    t = {}
-    local flat = redis.call('HGETALL', key)
-    local before = {}
-    for i = 1, #flat, 2 do
-      local field, value = flat[i], flat[i + 1]
-      if not STRINGS[field] then value = num(value) end
-      t[field], before[field] = value, value
-    end
-    t._key, t._new = key, #flat == 0
+    local raw = redis.call('GET', key)
+    if raw then t = cmsgpack.unpack(raw) else t = {} end
+    t._key, t._new = key, not raw
     cache[key] = t
-    loaded[key] = before
   end
   return t
 end
@@ -83,23 +78,20 @@ end
 local function drop(t)
   dirty[t._key] = nil
   cache[t._key] = {_key = t._key, _new = true}
-  loaded[t._key] = {}
   redis.call('DEL', t._key)
+end
+
+local function stored(t)
+  local clean = {}
+  for field, value in pairs(t) do
+    if not PRIVATE[field] then clean[field] = value end
+  end
+  return cmsgpack.pack(clean)
 end
 
 local function save()
   for _, key in ipairs(order) do
-    if dirty[key] then
-      local t, flat, before = cache[key], {}, loaded[key] or {}
-      for field, value in pairs(t) do
-        -- Compared as loaded (numbers as numbers): only a changed field is formatted and written.
-        if before[field] ~= value and string.sub(field, 1, 1) ~= '_' then
-          table.insert(flat, field)
-          if type(value) == 'number' then table.insert(flat, fmt(value)) else table.insert(flat, value) end
-        end
-      end
-      if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
-    end
+    if dirty[key] then redis.call('SET', key, stored(cache[key])) end
   end
 end
 
@@ -277,9 +269,7 @@ local function evict_one(pool, r, now)
   local refund = r.max
   bucket_refund(load(ent_key(r.ent)), refund, now)
   stop(pool, r, now)
-  local marker = req_key(r._id)
-  redis.call('HSET', marker, 'state', 'evicted', 'ent', r.ent)
-  redis.call('EXPIRE', marker, 3600)
+  redis.call('SET', req_key(r._id), stored({state = 'evicted', ent = r.ent}), 'EX', 3600)
   return refund
 end
 
