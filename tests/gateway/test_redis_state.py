@@ -108,6 +108,41 @@ def test_release_is_idempotent_and_refunds_unused_tokens(redis_url: str) -> None
     with_stores(redis_url, 1, body)
 
 
+TO_HASH = """
+local t = cmsgpack.unpack(redis.call('GET', KEYS[1]))
+redis.call('DEL', KEYS[1])
+for field, value in pairs(t) do
+  if type(value) == 'number' then value = string.format('%.17g', value) end
+  redis.call('HSET', KEYS[1], field, value)
+end
+return 1
+"""
+
+
+def test_records_an_earlier_release_kept_as_hashes_are_read_and_rewritten(redis_url: str) -> None:
+    """A Redis holding state from a release that kept the records as hashes: a running request admitted
+    then is released correctly (its refund, the entitlement's levels) and the records come back as records."""
+    async def body(store: RedisStateStore) -> None:
+        ent, p = limits("e"), pool("p")
+        before = (await store.entitlement_usage(limits=ent, pool="p")).tokens_available
+        offer = await store.offer(limits=ent, pool=p, request=request(max_tokens=100))
+        assert offer.reservation is not None
+        keys = [store._base("p") + suffix for suffix in ("pool", "ent:e", f"req:{offer.reservation.request_id}")]
+        for key in keys:
+            await store.redis.eval(TO_HASH, 1, key)
+        assert [await store.redis.type(key) for key in keys] == ["hash"] * 3
+        assert (await store.entitlement_usage(limits=ent, pool="p")).in_flight == 1
+        assert await store.pool_running(pool="p") == 1
+        released = await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=20)
+        assert (released.outcome, released.refunded_tokens) == ("completed", 80.0)
+        usage = await store.entitlement_usage(limits=ent, pool="p")
+        assert usage.in_flight == 0 and await store.pool_running(pool="p") == 0
+        assert before - 25 <= usage.tokens_available <= before - 25 + 5
+        assert [await store.redis.type(key) for key in keys] == ["string", "string", "none"]
+
+    with_stores(redis_url, 1, body)
+
+
 def test_waiting_is_priority_ordered_across_stores(redis_url: str) -> None:
     """Three processes: one holds the pool's only slot, one has a low-priority waiter that came first, one
     a high-priority waiter; the holder's release starts the high-priority one, wherever it waits."""

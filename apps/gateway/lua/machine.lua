@@ -57,12 +57,28 @@ local function clock(arg)
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
+-- A record a release before MessagePack records wrote as a hash: read once, written back as a record by `save`.
+local HASH_STRINGS = {ent = true, state = true, wm = true, em = true}
+local function from_hash(key)
+  local t, flat = {}, redis.call('HGETALL', key)
+  for i = 1, #flat, 2 do
+    if HASH_STRINGS[flat[i]] then t[flat[i]] = flat[i + 1] else t[flat[i]] = num(flat[i + 1]) end
+  end
+  return t, #flat > 0
+end
+
 local function load(key)
   local t = cache[key]
   if t == nil then
-    local raw = redis.call('GET', key)
-    if raw then t = cmsgpack.unpack(raw) else t = {} end
-    t._key, t._new = key, not raw
+    local found
+    local raw = redis.pcall('GET', key)
+    if type(raw) == 'table' and raw.err then
+      t, found = from_hash(key)
+    else
+      found = raw ~= false
+      if found then t = cmsgpack.unpack(raw) else t = {} end
+    end
+    t._key, t._new = key, not found
     cache[key] = t
   end
   return t
