@@ -1,11 +1,14 @@
 """The `/v1/*` gateway: an OpenAI-compatible proxy that admits every request through the pool's admission
 state machine (apps.policy) before it reaches a backend.
 
-The request path, one module per step (`app.Gateway._completion` reads top to bottom):
-    auth.py         authenticate: the bearer key to its entitlement (`snapshot.Snapshot`, no database)
+The request path, one module per step (`app.Gateway._completion` reads top to bottom and calls into
+nothing but these before the backend):
+    auth.py         authenticate: the bearer key to its entitlement (`snapshot.Snapshot`, no database), and
+                    the model to the key's pool
     parse.py        parse: read and validate the body and the llm-d headers
     tokens.py       count tokens: the backend's `/tokenize` (cached), else an estimate
-    admission.py    admit or wait: the pool's state machine, then a slot of the dispatch budget
+    admission.py    admit or wait: the request sized (limits, context window, SLO hints), the pool's state
+                    machine, then a slot of the dispatch budget
     upstream.py     route: a healthy replica, fewest outstanding first (`routing.ReplicaSet`), and send
     relay.py        relay: the answer to the client, chunk by chunk, learning usage and TTFT
     account.py      account: the hold given back (unused tokens refunded), usage and metrics recorded

@@ -1,5 +1,6 @@
-"""The admit-or-wait step: offer the request to its pool's admission state machine, wait if it says so,
-then take a slot of the pool's dispatch budget (the DRR queue with AIMD, seed 002).
+"""The admit-or-wait step: size the request for admission (the entitlement's limits now, the backend's own
+context window, the client's llm-d SLO hints), offer it to its pool's admission state machine, wait if it says
+so, then take a slot of the pool's dispatch budget (the DRR queue with AIMD, seed 002).
 
 The state machine decides (`apps.policy`'s ordered checks, priority-ordered waiting room, preemption);
 this step only turns its outcome into the request's fate: a 429/400 for a rejection, a wait that ends
@@ -9,6 +10,7 @@ Evictions the machine decides anywhere reach the victims through `InFlight.evict
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -19,6 +21,8 @@ from apps.gateway.config import GatewayConfig
 from apps.gateway.context import RequestContext
 from apps.gateway.errors import GatewayError, rejected, unavailable
 from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.parse import slo_hints
+from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.scheduler import PoolScheduler
 from apps.gateway.snapshot import KeyEntry, PoolInfo
 from apps.gateway.state import (
@@ -113,9 +117,18 @@ class Admitter:
         self.in_flight = in_flight
         # The account step's release, for a request that ends here (expired, cancelled, queue timeout).
         self.give_back = give_back
+        self._limits_cache: dict[tuple[EntitlementLimits, int], EntitlementLimits] = {}
 
-    async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, limits: EntitlementLimits, pool: PoolInfo,
-                            scheduler: PoolScheduler, request: AdmissionRequest, saturation: float) -> Admission:
+    async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, pool: PoolInfo, scheduler: PoolScheduler,
+                            replicas: ReplicaSet, *, input_tokens: int, max_tokens: int | None,
+                            max_model_len: int | None = None) -> Admission:
+        """Admitted (started, with its dispatch slot) or a GatewayError. `max_model_len` is the backend's
+        own context window when it told (its /tokenize answer), which beats the configured one; the
+        replicas' saturation counts when saturation admission is on."""
+        limits = self._limits(entry, max_model_len)
+        slo_ms, tier = slo_hints(ctx, limits)
+        request = AdmissionRequest(ctx.request_id, input_tokens, max_tokens, slo_ms, tier)
+        saturation = admission_saturation(replicas, self.config.saturation_admission)
         offer = await self._offer(limits, pool, request, scheduler, saturation,
                                   quota_claim(entry, limits, request, time.time()))
         ctx.view, ctx.quota = offer.view, offer.quota
@@ -143,6 +156,18 @@ class Admitter:
             raise
         admission.dispatched = True
         return admission
+
+    def _limits(self, entry: KeyEntry, max_model_len: int | None) -> EntitlementLimits:
+        limits = entry.limits_at(time.time())
+        if max_model_len is None or max_model_len == limits.context_window or max_model_len < 1:
+            return limits
+        key = (limits, max_model_len)
+        adjusted = self._limits_cache.get(key)
+        if adjusted is None:
+            if len(self._limits_cache) > 10_000:
+                self._limits_cache.clear()
+            adjusted = self._limits_cache[key] = dataclasses.replace(limits, context_window=max_model_len)
+        return adjusted
 
     async def _offer(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
                      scheduler: PoolScheduler, saturation: float, quota: QuotaClaim | None) -> Offer:

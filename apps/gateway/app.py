@@ -1,13 +1,17 @@
 """The gateway's ASGI application for `/v1/*` and `/metrics`: the request path as a pipeline.
 
-A `/v1/chat/completions` (or `/v1/completions`) request, top to bottom in `Gateway._completion`:
+A `/v1/chat/completions` (or `/v1/completions`) request, top to bottom in `Gateway._completion` and
+`Gateway._serve`; each step is one call from here into its own module, and these six files are all one reads
+to follow a request to the backend (tests/gateway/test_request_path.py traces it):
 
-    authenticate   auth.py        the bearer key to its entitlement (cached snapshot, no database)
+    authenticate   auth.py        the bearer key to its entitlement (cached snapshot, no database), and the
+                                  model asked for to the key's pool
     parse          parse.py       read and validate the body and the llm-d headers
     count tokens   tokens.py      the prompt's tokens (the backend's /tokenize, cached; else an estimate)
-    admit or wait  admission.py   the pool's admission state machine (state.py: memory_state.py, or
-                                  redis_state.py with lua/), the request's quotas reserved first (the key's
-                                  rules from quotas.py), then a slot of the dispatch budget (scheduler.py)
+    admit or wait  admission.py   the request sized (limits now, the backend's context window, SLO hints) and
+                                  offered to the pool's admission state machine (state.py: memory_state.py, or
+                                  redis_state.py with lua/), its quotas reserved first (quotas.py), then a
+                                  slot of the dispatch budget (scheduler.py)
     route          upstream.py    a healthy replica, fewest outstanding requests first (routing.py)
     relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT
     account        account.py     the hold given back (unused tokens and quota refunded), usage and metrics
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -33,10 +36,10 @@ import httpx
 
 from apps.gateway.account import Accountant
 from apps.gateway.admission import Admission, Admitter, InFlight
-from apps.gateway.auth import authenticate
+from apps.gateway.auth import authenticate, authorize_model
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import JSON_TYPE, ClientGone, RequestContext
-from apps.gateway.errors import GatewayError, model_not_found, unavailable
+from apps.gateway.errors import GatewayError, unavailable
 from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.parse import (
@@ -46,18 +49,16 @@ from apps.gateway.parse import (
     parse_json,
     parse_request,
     read_body,
-    slo_hints,
 )
 from apps.gateway.process import ProcessLoops
 from apps.gateway.relay import relay, send_preempted
-from apps.gateway.routing import ReplicaSet
+from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.scheduler import PoolScheduler
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
 from apps.gateway.tokens import TokenCounter
 from apps.gateway.upstream import default_transport, send_upstream
 from apps.gateway.usage import UsageAccumulator
-from apps.policy import AdmissionRequest, EntitlementLimits
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,6 @@ class Gateway:
         self.transport = transport
         self.loops = ProcessLoops(self, control=control)
         self._timeout: dict[str, float | None] = {}
-        self._limits_cache: dict[tuple[EntitlementLimits, int], EntitlementLimits] = {}
         self._synced: dict[str, PoolInfo] = {}
         self._start_lock: asyncio.Lock | None = None
         self._started = False
@@ -177,11 +177,7 @@ class Gateway:
         return replicas
 
     def saturation(self, pool: str) -> float:
-        if not self.config.saturation_admission:
-            return 0.0
-        replicas = self.replicas.get(pool)
-        value = None if replicas is None else replicas.saturation()
-        return 0.0 if value is None else value
+        return admission_saturation(self.replicas.get(pool), self.config.saturation_admission)
 
     async def sync_pool(self, pool: PoolInfo) -> None:
         """The pool as this snapshot describes it, in the state machine (capacity, reservations)."""
@@ -284,9 +280,7 @@ class Gateway:
         entry = authenticate(ctx, snapshot, time.time())
         parsed = parse_request(kind, parse_json(await read_body(ctx, self.config.max_body_bytes)),
                                max_tokens_limit=self.config.max_tokens_limit)
-        pool = snapshot.pool_for_model(parsed.model)
-        if pool is None or pool.name != entry.pool_name:
-            raise model_not_found(parsed.model)
+        pool = authorize_model(snapshot, entry, parsed.model)
         # From here on the client may go away (while waiting for admission, in the queue, or mid-stream):
         # the watcher cancels this task so that everything held is released at once.
         ctx.task = asyncio.current_task()
@@ -306,16 +300,12 @@ class Gateway:
         if self._synced.get(pool.name) is not pool:  # a new snapshot of the pool: once, not per request
             await self.sync_pool(pool)
         replicas = self.replica_set(pool)
-        input_tokens = await self.tokens.count(
-            client=self.client, pool=pool.name, model=pool.model_name, urls=tuple(replicas.candidates()) or pool.replica_urls,
-            kind=parsed.kind, payload=parsed.payload,
+        input_tokens = await self.tokens.count(client=self.client, pool=pool.name, model=pool.model_name,
+                                               replicas=replicas, kind=parsed.kind, payload=parsed.payload)
+        admission = await self.admitter.admit_or_wait(
+            ctx, entry, pool, self.scheduler(pool), replicas, input_tokens=input_tokens,
+            max_tokens=parsed.max_tokens, max_model_len=self.tokens.max_model_len.get(pool.name),
         )
-        limits = self._with_context_window(entry.limits_at(time.time()), pool.name)
-        slo_ms, tier = slo_hints(ctx, limits)
-        request = AdmissionRequest(ctx.request_id, input_tokens, parsed.max_tokens, slo_ms, tier)
-        scheduler = self.scheduler(pool)
-        admission = await self.admitter.admit_or_wait(ctx, entry, limits, pool, scheduler, request,
-                                                      self.saturation(pool.name))
         ctx.finish = lambda: self._finish(admission)
         try:
             assert self.transport is not None
@@ -340,19 +330,6 @@ class Gateway:
         # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
         self.metrics.ttft.observe((admission.pool.name, admission.entry.entitlement), seconds)
         admission.scheduler.observe_ttft(seconds)
-
-    def _with_context_window(self, limits: EntitlementLimits, pool: str) -> EntitlementLimits:
-        """The backend's own max_model_len (learnt from /tokenize) beats the configured default."""
-        max_len = self.tokens.max_model_len.get(pool)
-        if max_len is None or max_len == limits.context_window or max_len < 1:
-            return limits
-        key = (limits, max_len)
-        adjusted = self._limits_cache.get(key)
-        if adjusted is None:
-            if len(self._limits_cache) > 10_000:
-                self._limits_cache.clear()
-            adjusted = self._limits_cache[key] = dataclasses.replace(limits, context_window=max_len)
-        return adjusted
 
 
 async def _watch_disconnect(ctx: RequestContext) -> None:

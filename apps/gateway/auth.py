@@ -1,12 +1,12 @@
 """The authenticate step: the bearer key to its entitlement, through the cached snapshot (one SHA-256
-and one dict lookup; no database). Who the tenant is comes from the key alone: nothing a client sends
-names its tenant or raises its priority."""
+and one dict lookup; no database), and the model asked for to the key's pool. Who the tenant is comes from
+the key alone: nothing a client sends names its tenant or raises its priority."""
 
 from __future__ import annotations
 
 from apps.gateway.context import RequestContext
-from apps.gateway.errors import invalid_api_key
-from apps.gateway.snapshot import KeyEntry, Snapshot
+from apps.gateway.errors import invalid_api_key, model_not_found
+from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot
 
 
 def authenticate(ctx: RequestContext, snapshot: Snapshot, now_epoch: float) -> KeyEntry:
@@ -18,3 +18,12 @@ def authenticate(ctx: RequestContext, snapshot: Snapshot, now_epoch: float) -> K
         raise invalid_api_key()
     ctx.entry = entry
     return entry
+
+
+def authorize_model(snapshot: Snapshot, entry: KeyEntry, model: str) -> PoolInfo:
+    """The pool serving `model` (its name or its backend model's), if the key's entitlement is bound to it;
+    otherwise the model does not exist for this key (a 404, as OpenAI answers an unknown model)."""
+    pool = snapshot.pool_for_model(model)
+    if pool is None or pool.name != entry.pool_name:
+        raise model_not_found(model)
+    return pool

@@ -79,6 +79,12 @@ class ReplicaSet:
             self.timeouts[url] = count
 
 
+def admission_saturation(replicas: ReplicaSet | None, enabled: bool) -> float:
+    """The pool's saturation as admission sees it: 0 when saturation admission is off or no replica reports."""
+    value = replicas.saturation() if enabled and replicas is not None else None
+    return 0.0 if value is None else value
+
+
 async def probe_replicas(client: httpx.AsyncClient, replica_sets: list[ReplicaSet], timeout_s: float = 1.0) -> None:
     """One round of `/health` probes over every replica of every pool."""
 

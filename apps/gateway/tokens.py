@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from apps.gateway.routing import ReplicaSet
 from backends.vllm_wire import TOKENIZE_PATH, read_tokenize_response, tokenize_request
 
 RETRY_UNSUPPORTED_S = 60.0
@@ -67,10 +68,12 @@ class TokenCounter:
         return pool, digest
 
     async def count(
-        self, *, client: httpx.AsyncClient | None, pool: str, model: str, urls: tuple[str, ...], kind: str,
-        payload: dict[str, Any],
+        self, *, client: httpx.AsyncClient | None, pool: str, model: str, kind: str, payload: dict[str, Any],
+        urls: tuple[str, ...] = (), replicas: ReplicaSet | None = None,
     ) -> int:
-        if (not self.enabled or client is None or not urls
+        """The prompt's tokens, asked of the first of `urls`, or (only when the count is not cached) of the
+        pool's `replicas` in routing order."""
+        if (not self.enabled or client is None
                 or self._unsupported_until.get((pool, kind), 0.0) > time.monotonic()):
             return estimate_tokens(kind, payload)
         key = self._key(pool, kind, payload)
@@ -78,6 +81,10 @@ class TokenCounter:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
+        if replicas is not None:
+            urls = tuple(replicas.candidates()) or replicas.urls
+        if not urls:
+            return estimate_tokens(kind, payload)
         if kind == "chat":
             body = tokenize_request(model=model, messages=payload.get("messages"))
         else:
