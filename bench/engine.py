@@ -62,7 +62,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed: int,
-                   vocab: int = OVERHEAD_VOCAB) -> dict[str, float]:
+                   vocab: int = OVERHEAD_VOCAB) -> dict[str, float | None]:
     """Simulates the runner's policy calls over a full pool; only the policy's share is timed (the return
     predictor's forecast from each new token's logits and its training step included)."""
     import torch
