@@ -213,8 +213,8 @@ class RedisStateStore(GatewayStateStore):
     async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float,
                         ) -> tuple[EntitlementUsage, PoolUsage, str]:
         _, pairs = _reserved_args(pool)
-        raw = await self._call("read", [self._base(pool.name)],
-                               [self._now(), limits.entitlement_id, *_bucket_args(limits), *pairs])
+        raw = (await self._call("read", [self._base(pool.name)],
+                                [self._now(), limits.entitlement_id, *_bucket_args(limits), *pairs])).split(" ")
         level = _float(raw[4])
         usage = EntitlementUsage(
             in_flight=int(_float(raw[0])), kv_bytes_in_flight=_float(raw[1]), running=int(_float(raw[2])),

@@ -15,8 +15,9 @@ local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
 local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
 -- Nothing is written: the refill and the limits seen here are applied for real by COMMIT (a refill is the same
 -- in one step or two), so concurrent readers never disturb each other.
--- Counts go back as integers (no formatting); amounts as exact decimal strings.
-return {e.in_flight, fmt(e.kv_in_flight), e.running, fmt(e.kv_running), fmt(level), fmt(e.debt),
-        fmt(e.burst), field(pool, 'running'), fmt(field(pool, 'kv')), idle_slots, fmt(idle_kv),
-        low[2] or '', low_evict[2] or '', field(pool, 'ev_n'), fmt(field(pool, 'ev_kv')),
-        field(pool, 'ver')}
+-- One string of space-separated fields (a reply of one element: parsing each element of a list is what a
+-- client pays for), every number exact; the two priorities are empty when there is none.
+return table.concat({fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(e.kv_running), fmt(level),
+                     fmt(e.debt), fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')),
+                     fmt(idle_slots), fmt(idle_kv), low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')),
+                     fmt(field(pool, 'ev_kv')), fmt(field(pool, 'ver'))}, ' ')
