@@ -68,11 +68,11 @@ class TokenCounter:
         return pool, digest
 
     async def count(
-        self, *, client: httpx.AsyncClient | None, pool: str, model: str, kind: str, payload: dict[str, Any],
-        urls: tuple[str, ...] = (), replicas: ReplicaSet | None = None,
+        self, *, client: httpx.AsyncClient | None, pool: str, model: str, replicas: ReplicaSet, kind: str,
+        payload: dict[str, Any],
     ) -> int:
-        """The prompt's tokens, asked of the first of `urls`, or (only when the count is not cached) of the
-        pool's `replicas` in routing order."""
+        """The prompt's tokens, asked (only when the count is not cached) of the first of the pool's
+        `replicas` in routing order."""
         if (not self.enabled or client is None
                 or self._unsupported_until.get((pool, kind), 0.0) > time.monotonic()):
             return estimate_tokens(kind, payload)
@@ -81,8 +81,7 @@ class TokenCounter:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
-        if replicas is not None:
-            urls = tuple(replicas.candidates()) or replicas.urls
+        urls = tuple(replicas.candidates()) or replicas.urls
         if not urls:
             return estimate_tokens(kind, payload)
         if kind == "chat":

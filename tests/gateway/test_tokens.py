@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from apps.gateway.routing import ReplicaSet
 from apps.gateway.tokens import TokenCounter, estimate_tokens
 
 CHAT = {"messages": [{"role": "user", "content": "one two three four five"}]}
@@ -15,7 +16,8 @@ CHAT = {"messages": [{"role": "user", "content": "one two three four five"}]}
 def count(counter: TokenCounter, url: str, payload: dict[str, Any], kind: str = "chat") -> int:
     async def run() -> int:
         async with httpx.AsyncClient() as client:
-            return await counter.count(client=client, pool="p", model="m", urls=(url,), kind=kind, payload=payload)
+            return await counter.count(client=client, pool="p", model="m", replicas=ReplicaSet((url,)), kind=kind,
+                                       payload=payload)
 
     return asyncio.run(run())
 
