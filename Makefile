@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: exp-live bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -115,6 +115,10 @@ train-recall: venv
 	$(BIN)/python -m backends.engine.long_context --out backends/engine/assets/tiny-recall --minutes 26
 bench-engine-recall: venv
 	$(BIN)/python -m bench.engine_recall --write-results
+
+# The attacks of issue 22 against `serve --workers 2` on Redis, each with what came back (bench/RESULTS.md).
+bench-security: venv system-deps
+	$(BIN)/python -m bench.security --write-results
 
 bench-gateway: venv system-deps litellm-venv
 	$(BIN)/python -m bench.gateway --write-results $(if $(BASELINE),--baseline $(BASELINE))
