@@ -20,7 +20,7 @@ from typing import Any
 
 from apps.gateway.context import ClientGone, RequestContext
 from apps.gateway.errors import body_too_large, invalid_request
-from apps.policy import EntitlementLimits, PolicyConfigError, effective_slo_tier
+from apps.policy import DEFAULT_SLO_PRIORITIES, known_slo_tier
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -241,10 +241,11 @@ def upstream_body(parsed: ParsedRequest, *, model: str, max_tokens: int) -> byte
     return json.dumps(body).encode()
 
 
-def slo_hints(ctx: RequestContext, limits: EntitlementLimits) -> tuple[float | None, str | None]:
+def slo_hints(ctx: RequestContext) -> tuple[float | None, str | None]:
     """The llm-d headers a client may set for itself: a TTFT target (`x-llm-d-slo-ttft-ms`, ignored when
-    not a positive number) and an objective tier (`x-llm-d-inference-objective`, a 400 when unknown;
-    never above what the entitlement's class allows, see `apps.policy.effective_slo_tier`)."""
+    not a positive number) and an objective tier (`x-llm-d-inference-objective`, a 400 when unknown). Both
+    can only relax what the entitlement grants (`apps.policy.admission.admit`): a looser target, a tier of
+    no higher priority; a tighter ask counts for nothing."""
     slo_ms: float | None = None
     raw = ctx.header(b"x-llm-d-slo-ttft-ms")
     if raw is not None:
@@ -256,8 +257,8 @@ def slo_hints(ctx: RequestContext, limits: EntitlementLimits) -> tuple[float | N
     tier = ctx.header(b"x-llm-d-inference-objective")
     if tier is None or not tier.strip():
         return slo_ms, None
-    try:
-        effective_slo_tier(limits.service_class, limits.slo_tier, tier.strip())
-    except (PolicyConfigError, ValueError):
-        raise invalid_request(f"Unknown x-llm-d-inference-objective {tier!r}.") from None
-    return slo_ms, tier.strip()
+    known = known_slo_tier(tier)
+    if known is None:
+        raise invalid_request(f"Unknown x-llm-d-inference-objective {tier.strip()[:40]!r}; known objectives: "
+                              f"{', '.join(DEFAULT_SLO_PRIORITIES)}.", param="x-llm-d-inference-objective")
+    return slo_ms, known
