@@ -126,7 +126,7 @@ class Admitter:
         own context window when it told (its /tokenize answer), which beats the configured one; the
         replicas' saturation counts when saturation admission is on."""
         limits = self._limits(entry, max_model_len)
-        slo_ms, tier = slo_hints(ctx, limits)
+        slo_ms, tier = slo_hints(ctx)
         request = AdmissionRequest(ctx.request_id, input_tokens, max_tokens, slo_ms, tier)
         saturation = admission_saturation(replicas, self.config.saturation_admission)
         offer = await self._offer(limits, pool, request, scheduler, saturation,

@@ -278,7 +278,8 @@ class Gateway:
     async def _completion(self, ctx: RequestContext, kind: str) -> None:
         snapshot = await self._snapshot()
         entry = authenticate(ctx, snapshot, time.time())
-        parsed = parse_request(kind, parse_json(await read_body(ctx, self.config.max_body_bytes)),
+        body = await read_body(ctx, self.config.max_body_bytes)
+        parsed = parse_request(kind, parse_json(body, max_depth=self.config.max_json_depth),
                                max_tokens_limit=self.config.max_tokens_limit)
         pool = authorize_model(snapshot, entry, parsed.model)
         # From here on the client may go away (while waiting for admission, in the queue, or mid-stream):

@@ -22,6 +22,7 @@ SETTING_NAMES: dict[str, str] = {
     "fail_open": "GATEWAY_FAIL_OPEN",
     "max_body_bytes": "GATEWAY_MAX_BODY_BYTES",
     "max_tokens_limit": "GATEWAY_MAX_TOKENS_LIMIT",
+    "max_json_depth": "GATEWAY_MAX_JSON_DEPTH",
     "default_max_tokens": "GATEWAY_DEFAULT_MAX_TOKENS",
     "context_window": "GATEWAY_CONTEXT_WINDOW",
     "tokenize": "GATEWAY_TOKENIZE",
@@ -49,6 +50,8 @@ class GatewayConfig:
     fail_open: bool = False
     max_body_bytes: int = 1_048_576
     max_tokens_limit: int = 1_000_000
+    # Deepest nesting of arrays/objects accepted in a /v1/* body (deeper is a 400 before admission).
+    max_json_depth: int = 32
     default_max_tokens: int = 256
     context_window: int = 4096
     tokenize: bool = True

@@ -4,20 +4,47 @@ Anything the gateway does not interpret passes through to the backend untouched;
 interpret (model, max_tokens, stream, stream_options, n, messages/prompt, and the llm-d headers) must be
 well-formed, so a malformed request is a 400 here and never reaches the state store. Text that cannot be
 encoded (a lone surrogate escaped as `\\ud800`) is malformed too: it could not be counted nor sent.
+
+The body is bounded before anything is reserved: nesting deeper than `GATEWAY_MAX_JSON_DEPTH` (every later step
+that walks or re-encodes the body recurses, and Python's recursion limit would make that a 500), non-finite
+numbers (`NaN`, `Infinity`, `1e999`: not JSON, a backend would reject what we forwarded), and prompt batches
+(a list of several prompts: admission reserves and charges one sequence per request, as for `n`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from apps.gateway.context import ClientGone, RequestContext
 from apps.gateway.errors import body_too_large, invalid_request
-from apps.policy import EntitlementLimits, PolicyConfigError, effective_slo_tier
+from apps.policy import DEFAULT_SLO_PRIORITIES, known_slo_tier
 
 CHAT = "chat"
 COMPLETION = "completion"
+DEFAULT_MAX_JSON_DEPTH = 32
+
+
+class _NonFinite(ValueError):
+    """A number JSON cannot carry (`NaN`, `Infinity`, or a literal too large for a float)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFinite(text)
+    return value
+
+
+# One decoder for every request (json.loads with hooks would build a new one per call). parse_float only runs
+# for numbers with a fraction or exponent: a chat body has a few (temperature, top_p).
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +80,50 @@ async def read_body(ctx: RequestContext, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-def parse_json(body: bytes) -> dict[str, Any]:
+def parse_json(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
     try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        text = body.decode(json.detect_encoding(body), "surrogatepass")
+        payload = _DECODER.decode(text)
+    except _NonFinite as exc:
+        raise invalid_request(f"The JSON body contains the non-finite number {str(exc)[:20]}; "
+                              "numbers must be finite.") from None
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except (ValueError, UnicodeDecodeError):
         raise invalid_request("We could not parse the JSON body of your request.") from None
     if not isinstance(payload, dict):
         raise invalid_request("The request body must be a JSON object.")
+    # A body cannot nest deeper than it has brackets: counting them (C speed) spares ordinary bodies the walk.
+    if body.count(b"[") + body.count(b"{") > max_depth and _deeper_than(payload, max_depth):
+        raise _too_deep(max_depth)
     # JSON may escape a lone UTF-16 surrogate (\\ud800), which no UTF-8 text can hold: the gateway could
     # neither count it nor forward it. Only bodies that contain such an escape pay for the check.
     if b"\\u" in body and (b"\\ud" in body.lower()):
         _check_encodable(payload, "body")
     return payload
+
+
+def _too_deep(max_depth: int) -> Exception:
+    return invalid_request(f"The JSON body is nested too deeply: at most {max_depth} levels of arrays and "
+                           "objects are accepted (GATEWAY_MAX_JSON_DEPTH).")
+
+
+def _deeper_than(payload: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels (the body itself is level 1). Level by level,
+    not recursive: the check itself cannot hit the recursion limit, and it is about twice as fast."""
+    level: list[Any] = [payload]
+    for _ in range(limit):
+        deeper: list[Any] = []
+        add = deeper.append
+        for value in level:
+            for child in (value.values() if type(value) is dict else value):
+                kind = type(child)
+                if kind is dict or kind is list:
+                    add(child)
+        if not deeper:
+            return False
+        level = deeper
+    return True
 
 
 def _check_encodable(value: Any, where: str) -> None:
@@ -99,14 +158,23 @@ def _check_messages(messages: Any) -> None:
 
 
 def _check_prompt(prompt: Any) -> None:
+    """One prompt: a string, token ids, or a list holding one of those. A batch of several prompts is refused
+    like `n` other than 1: the reservation and the charge are sized for one sequence per request."""
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt) or all(_is_int(p) and p >= 0 for p in prompt):
+        if all(_is_int(p) and p >= 0 for p in prompt):
             return
-        if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
-            return
-    raise invalid_request("'prompt' must be a string, an array of strings or an array of token ids.", param="prompt")
+        if all(isinstance(p, str) for p in prompt) or all(
+            isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt
+        ):
+            if len(prompt) == 1:
+                return
+            raise invalid_request(
+                f"'prompt' holds {len(prompt)} prompts; this gateway takes one prompt per request "
+                "(send one request for each).", param="prompt", code="unsupported_parameter")
+    raise invalid_request("'prompt' must be a string, an array of token ids, or an array holding one of those.",
+                          param="prompt")
 
 
 def parse_request(kind: str, payload: dict[str, Any], *, max_tokens_limit: int) -> ParsedRequest:
@@ -157,9 +225,13 @@ def parse_request(kind: str, payload: dict[str, Any], *, max_tokens_limit: int) 
 
 
 def upstream_body(parsed: ParsedRequest, *, model: str, max_tokens: int) -> bytes:
-    """The body sent to the backend: its model name, the reserved max_tokens, usage asked on streams."""
+    """The body sent to the backend: its model name, the reserved max_tokens, usage asked on streams, and no
+    client `priority`."""
     body = dict(parsed.payload)
     body["model"] = model
+    # vLLM's own scheduler orders by `priority` under --scheduling-policy priority: a client must not pick its
+    # place there either (nothing a client sends raises its standing; the gateway has already ordered it).
+    body.pop("priority", None)
     body.pop("max_completion_tokens", None)
     body["max_tokens"] = max_tokens
     if parsed.stream:
@@ -169,10 +241,11 @@ def upstream_body(parsed: ParsedRequest, *, model: str, max_tokens: int) -> byte
     return json.dumps(body).encode()
 
 
-def slo_hints(ctx: RequestContext, limits: EntitlementLimits) -> tuple[float | None, str | None]:
+def slo_hints(ctx: RequestContext) -> tuple[float | None, str | None]:
     """The llm-d headers a client may set for itself: a TTFT target (`x-llm-d-slo-ttft-ms`, ignored when
-    not a positive number) and an objective tier (`x-llm-d-inference-objective`, a 400 when unknown;
-    never above what the entitlement's class allows, see `apps.policy.effective_slo_tier`)."""
+    not a positive number) and an objective tier (`x-llm-d-inference-objective`, a 400 when unknown). Both
+    can only relax what the entitlement grants (`apps.policy.admission.admit`): a looser target, a tier of
+    no higher priority; a tighter ask counts for nothing."""
     slo_ms: float | None = None
     raw = ctx.header(b"x-llm-d-slo-ttft-ms")
     if raw is not None:
@@ -184,8 +257,8 @@ def slo_hints(ctx: RequestContext, limits: EntitlementLimits) -> tuple[float | N
     tier = ctx.header(b"x-llm-d-inference-objective")
     if tier is None or not tier.strip():
         return slo_ms, None
-    try:
-        effective_slo_tier(limits.service_class, limits.slo_tier, tier.strip())
-    except (PolicyConfigError, ValueError):
-        raise invalid_request(f"Unknown x-llm-d-inference-objective {tier!r}.") from None
-    return slo_ms, tier.strip()
+    known = known_slo_tier(tier)
+    if known is None:
+        raise invalid_request(f"Unknown x-llm-d-inference-objective {tier.strip()[:40]!r}; known objectives: "
+                              f"{', '.join(DEFAULT_SLO_PRIORITIES)}.", param="x-llm-d-inference-objective")
+    return slo_ms, known

@@ -14,7 +14,7 @@ classes.py      `Dimension`, `ResourceVector` (tokens/s, KV bytes, concurrency: 
                 baseline reserved/time-averaged/none, burst, shrink/evict, DRR weight 8/8/4/1/1;
                 the project's one class table), `SloTier`, default tier
                 per class (dedicated, guaranteed -> critical; elastic -> standard; spot -> sheddable;
-                preemptible -> background), `effective_slo_tier` (request > entitlement > class).
+                preemptible -> background), `effective_slo_tier` (entitlement > class).
 priority.py     `priority_weight` = 000 eq. (1); `service_gap`, `debt_update` = eq. (2) (gamma_d 0.7);
                 `burst_delta`, `burst_update` = eq. (3) (own gamma_b); `update_dynamics`, `Dynamics`,
                 `DynamicsConfig`.
@@ -22,7 +22,8 @@ bucket.py       `TokenBucket(capacity, refill_rate)`: `try_consume(cost, now)`, 
                 `seconds_until` (004 "Token Bucket Mechanics"; 000 check 4 with refunds).
 slo.py          `slo_priority(slo_class, overrides=None)`, `is_sheddable(priority)`,
                 `DEFAULT_SLO_PRIORITIES` (004 "SLO Tier Priorities": 4/3/-1/-2/-3),
-                `merged_priorities(overrides)` and `priority_in(table, slo_class)` for hot paths.
+                `merged_priorities(overrides)` and `priority_in(table, slo_class)` for hot paths;
+                `known_slo_tier`, and `relaxed_slo_tier`: a request's objective only relaxes its tier.
 saturation.py   `InstanceSnapshot(queue_depth, kv_utilization, updated_at=None)`,
                 `pool_saturation(...)` (004 "Saturation Formula", GAIE defaults 5 and 0.8).
 blis.py         004 admission policies: `AlwaysAdmit`, `TokenBucketAdmission`, `TierShed`, `GaieLegacy`,
@@ -133,7 +134,15 @@ from apps.policy.priority import (
     update_dynamics,
 )
 from apps.policy.saturation import InstanceSnapshot, pool_saturation
-from apps.policy.slo import DEFAULT_SLO_PRIORITIES, is_sheddable, merged_priorities, priority_in, slo_priority
+from apps.policy.slo import (
+    DEFAULT_SLO_PRIORITIES,
+    is_sheddable,
+    known_slo_tier,
+    merged_priorities,
+    priority_in,
+    relaxed_slo_tier,
+    slo_priority,
+)
 
 __all__ = [
     "CLASS_TRAITS",
@@ -197,10 +206,12 @@ __all__ = [
     "jain_fairness",
     "make_admission_policy",
     "merged_priorities",
+    "known_slo_tier",
     "pool_saturation",
     "priority_in",
     "priority_weight",
     "rebucket",
+    "relaxed_slo_tier",
     "request_priority",
     "select_eviction_victim",
     "service_gap",

@@ -11,7 +11,8 @@
 4. token budget: the entitlement's token bucket at `lambda_e` must hold `n_in + max_tokens`
    (`rate_limit_exceeded`), and KV bytes in flight stay within `chi_e`, with the same borrowing
    rule (`kv_cache_limit_exceeded`);
-5. pool contention: when the pool is full or saturated (saturation alone never turns away a dedicated or
+5. pool contention (the request's SLO hints may loosen the entitlement's target and tier, never tighten
+   them: a client cannot raise its own priority): when the pool is full or saturated (saturation alone never turns away a dedicated or
    guaranteed request within its reserved baseline), a request whose priority (1) does not
    exceed the admission threshold (the minimum priority among admitted requests) is rejected
    (`pool_contended`); one above it is queued for the next free slot ahead of lower priorities and
@@ -46,6 +47,7 @@ from apps.policy.priority import (
     DEFAULT_ALPHA_SLO,
     DEFAULT_MIN_DEBT_FACTOR,
 )
+from apps.policy.slo import relaxed_slo_tier
 
 
 class EntitlementState(enum.StrEnum):
@@ -172,6 +174,9 @@ class EntitlementLimits:
 
 @dataclass(frozen=True, slots=True)
 class AdmissionRequest:
+    """One request as the client sized it. `slo_target_ms` and `slo_tier` are the client's hints (llm-d's
+    headers): `admit` lets them relax the entitlement's SLO and tier, never tighten them."""
+
     request_id: str
     input_tokens: int
     max_tokens: int | None = None
@@ -375,9 +380,8 @@ def admit(
     cost = n_in + max_tokens
     kv_needed = cost * limits.kv_bytes_per_token
     traits = limits._traits
-    tier = limits._tier if request.slo_tier is None else effective_slo_tier(
-        limits.service_class, limits.slo_tier, request.slo_tier
-    )
+    # A request's hints only relax what its entitlement grants (nothing a client sends raises its standing).
+    tier = limits._tier if request.slo_tier is None else relaxed_slo_tier(limits._tier, request.slo_tier)
 
     # Two views of room in the pool. Physical: slots/bytes nobody is using. Entitled: what this
     # request may claim, where idle reservations of other dedicated/guaranteed entitlements are off
@@ -450,7 +454,10 @@ def admit(
         borrowed = True
 
     # (5) pool contention
-    slo_ms = limits.slo_target_ms if requested_slo is None else requested_slo
+    # The client may loosen its entitlement's TTFT target (a larger SLO, a lower priority), never tighten it.
+    slo_ms = limits.slo_target_ms
+    if requested_slo is not None and requested_slo > slo_ms:
+        slo_ms = requested_slo
     priority = request_priority(traits, slo_ms, pool.mean_slo_ms, usage.burst, usage.debt, config)
     # Saturation throttles capacity nobody reserved: a dedicated or guaranteed request within its own
     # baseline runs on capacity the pool promised it (seed 000, Table 1: never shrunk), so a backend's

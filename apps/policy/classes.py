@@ -140,14 +140,14 @@ def default_slo_tier(service_class: ServiceClass | str) -> SloTier:
 def effective_slo_tier(
     service_class: ServiceClass | str,
     entitlement_tier: SloTier | str | None = None,
-    request_tier: SloTier | str | None = None,
 ) -> str:
-    """Request override beats entitlement override beats the class default.
+    """The tier an entitlement grants: its own override, else its class's default. A request's objective
+    can only relax this (`apps.policy.slo.relaxed_slo_tier`), never replace it.
 
     Returned as a plain string because seed 004 lets operators define tiers beyond the five
     defaults (unknown tiers are then treated as `standard` by `slo_priority`).
     """
-    for tier in (request_tier, entitlement_tier):
-        if tier is not None and str(tier).strip():
-            return tier.value if isinstance(tier, SloTier) else str(tier).strip().lower()
+    if entitlement_tier is not None and str(entitlement_tier).strip():
+        tier = entitlement_tier
+        return tier.value if isinstance(tier, SloTier) else str(tier).strip().lower()
     return default_slo_tier(service_class).value

@@ -55,6 +55,24 @@ def priority_in(table: Mapping[str, int], slo_class: SloTier | str | None) -> in
     return table[SloTier.STANDARD.value] if value is None else value
 
 
+def known_slo_tier(slo_class: SloTier | str | None, table: Mapping[str, int] = DEFAULT_SLO_PRIORITIES) -> str | None:
+    """The normalised name of a tier the table knows (the five defaults plus any configured), else None."""
+    key = _normalise(slo_class)
+    return key if key in table else None
+
+
+def relaxed_slo_tier(
+    granted: str, requested: SloTier | str | None, table: Mapping[str, int] = DEFAULT_SLO_PRIORITIES
+) -> str:
+    """The tier a request runs at: the one it asks for only when that is no higher in priority than the tier
+    its entitlement grants (a client may ask for less, never for more); unknown or empty asks count for
+    nothing (the gateway refuses unknown objectives before they get here)."""
+    key = _normalise(requested)
+    if key in table and table[key] <= priority_in(table, granted):
+        return key
+    return granted
+
+
 def is_sheddable(priority: int) -> bool:
     """The llm-d IsSheddable contract: priority < 0."""
     return priority < 0

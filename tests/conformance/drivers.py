@@ -58,6 +58,10 @@ def decision_figures(decision: AdmissionDecision) -> dict[str, Any]:
             "token_cost": decision.token_cost, "kv_bytes": decision.kv_bytes, "evict": decision.evict}
 
 
+def offered(step: Offer) -> AdmissionRequest:
+    return AdmissionRequest(step.rid, step.input_tokens, step.max_tokens, step.slo_ms, step.tier)
+
+
 def standing_figures(standing: QuotaStanding | None) -> tuple[str, float, float] | None:
     return None if standing is None else (standing.charge.key, standing.used, standing.reserved)
 
@@ -119,8 +123,7 @@ class LedgerDriver:
     async def run(self, step: Any) -> dict[str, Any]:
         now, ledger = self.clock.now(), self.ledger
         if isinstance(step, Offer):
-            result = ledger.request(step.ent, AdmissionRequest(step.rid, step.input_tokens, step.max_tokens), now,
-                                    quota=self.quotas.claim(step))
+            result = ledger.request(step.ent, offered(step), now, quota=self.quotas.claim(step))
             return {"state": ledger.request_state(step.rid) or "rejected", "started": result.started,
                     "evicted": result.evicted, **decision_figures(result.decision),
                     "quota": standing_figures(None if result.quota is None else result.quota.standing)}
@@ -181,7 +184,7 @@ class StoreDriver:
         store = self.store
         if isinstance(step, Offer):
             offer = await store.offer(limits=self.limits[step.ent], pool=self.pool,
-                                      request=AdmissionRequest(step.rid, step.input_tokens, step.max_tokens),
+                                      request=offered(step),
                                       quota=self.quotas.claim(step))
             if offer.reservation is not None:
                 self.reservations[step.rid] = offer.reservation

@@ -43,6 +43,9 @@ class Offer:
     reason: str | None = None
     started: tuple[str, ...] | None = None
     evicted: tuple[str, ...] | None = None
+    # The client's llm-d hints (x-llm-d-slo-ttft-ms, x-llm-d-inference-objective): they may only relax.
+    slo_ms: float | None = None
+    tier: str | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,22 @@ def _debt_rises_then_decays(trace: list[dict[str, Any]]) -> None:
 
 
 SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "hints: a client's tighter SLO and higher objective do not let it overtake an earlier request of its entitlement",
+        Pool(slots=1),
+        (ent("cheap", "spot", concurrency=4), ent("slow", "spot", concurrency=4, slo_target_ms=5000.0)),
+        (
+            Offer("s1", "slow", expect="running"),
+            Offer("u1", "cheap", expect="waiting"),
+            # x-llm-d-slo-ttft-ms: 1 and x-llm-d-inference-objective: critical from the same key
+            Offer("h1", "cheap", slo_ms=1.0, tier="critical", expect="waiting"),
+            Complete("s1", output=5, started=("u1",)),
+            Complete("u1", output=5, started=("h1",)),
+            # loosening is honoured: a looser target ranks below the running request, so a full pool refuses it
+            Offer("l1", "cheap", slo_ms=5000.0, tier="batch", expect="rejected", reason="pool_contended"),
+            Complete("h1", output=5),
+        ),
+    ),
     Scenario(
         "plain admission", Pool(slots=4),
         (ent("chat", "guaranteed", concurrency=2, tokens_per_second=10.0),),

@@ -203,12 +203,14 @@ def test_saturation_alone_never_turns_away_a_reserved_request_within_its_baselin
                  request()).reason in {"pool_contended", "queued"}
 
 
-def test_request_slo_override_changes_priority_and_tier() -> None:
+def test_request_slo_hints_only_relax_priority_and_tier() -> None:
     base = admit(limits(), EntitlementUsage(), POOL, request())
     tight = admit(limits(), EntitlementUsage(), POOL,
                   AdmissionRequest("r", 10, 10, slo_target_ms=100, slo_tier="critical"))
-    assert tight.priority > base.priority
-    assert base.slo_tier == "standard" and tight.slo_tier == "critical"
+    loose = admit(limits(), EntitlementUsage(), POOL,
+                  AdmissionRequest("r", 10, 10, slo_target_ms=5000, slo_tier="batch"))
+    assert tight.priority == base.priority and tight.slo_tier == base.slo_tier == "standard"
+    assert loose.priority < base.priority and loose.slo_tier == "batch"
     assert admit(limits(slo_tier="batch"), EntitlementUsage(), POOL, request()).slo_tier == "batch"
 
 

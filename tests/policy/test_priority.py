@@ -18,6 +18,7 @@ from apps.policy import (
     update_dynamics,
 )
 from apps.policy.classes import CLASS_TRAITS, SloTier, default_slo_tier, effective_slo_tier
+from apps.policy.slo import known_slo_tier, merged_priorities, relaxed_slo_tier
 
 EXPERIMENT_2_MEAN_SLO_MS = 15_250.0
 
@@ -43,7 +44,16 @@ def test_default_slo_tiers_and_overrides() -> None:
     ]
     assert effective_slo_tier("spot") == "sheddable"
     assert effective_slo_tier("spot", entitlement_tier="batch") == "batch"
-    assert effective_slo_tier("spot", entitlement_tier="batch", request_tier=SloTier.CRITICAL) == "critical"
+    # A request's objective relaxes the granted tier, never raises it.
+    assert relaxed_slo_tier("batch", SloTier.CRITICAL) == "batch"
+    assert relaxed_slo_tier("standard", "sheddable") == "sheddable"
+    assert relaxed_slo_tier("standard", "standard") == "standard"
+    assert relaxed_slo_tier("sheddable", "no-such-tier") == "sheddable"
+    # A configured table decides the order: a custom tier below the granted one is a relaxation.
+    table = merged_priorities({"overnight": -5, "vip": 9})
+    assert relaxed_slo_tier("standard", "overnight", table) == "overnight"
+    assert relaxed_slo_tier("standard", "vip", table) == "standard"
+    assert known_slo_tier("VIP ", table) == "vip" and known_slo_tier("vip") is None
 
 
 def test_experiment_2_priorities() -> None:
