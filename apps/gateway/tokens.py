@@ -1,7 +1,10 @@
 """Input token counts: the pool's own tokenizer when the backend offers `/tokenize`, else an estimate.
 
 Whether a pool's backend tokenizes is learnt on first use and cached per pool (re-probed after
-`RETRY_UNSUPPORTED_S`); counts are cached per pool and prompt so repeated prompts cost no round trip.
+`RETRY_UNSUPPORTED_S`); counts are cached per pool and prompt so repeated prompts cost no round trip. Once a
+pool has tokenized a kind of request, a refusal of one request's input (a 4xx other than "no such route")
+is that input's problem, not the pool's: that request is estimated and the pool keeps tokenizing, so a client
+cannot switch every tenant of a pool to estimates by sending what the tokenizer refuses.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from apps.gateway.routing import ReplicaSet
 from backends.vllm_wire import TOKENIZE_PATH, read_tokenize_response, tokenize_request
 
 RETRY_UNSUPPORTED_S = 60.0
+# The answers that say the backend has no /tokenize at all (rather than refusing one input).
+NO_ROUTE_STATUSES = frozenset({404, 405, 501})
 CACHE_ENTRIES = 4096
 # Roughly four characters per token for English text (OpenAI's rule of thumb), plus the per-message
 # framing a chat template adds.
@@ -58,6 +63,8 @@ class TokenCounter:
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled
         self._unsupported_until: dict[tuple[str, str], float] = {}
+        # (pool, kind) whose backend has tokenized at least once: it does support this kind.
+        self._supported: set[tuple[str, str]] = set()
         self._cache: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         # max_model_len as the backend reports it, per pool (None until a /tokenize answered).
         self.max_model_len: dict[str, int] = {}
@@ -95,7 +102,8 @@ class TokenCounter:
         if response.status_code != 200:
             # No /tokenize, or none for this kind (a model without a chat template cannot tokenize
             # messages): stop asking for a while rather than pay a failing round trip per request.
-            self._unsupported_until[(pool, kind)] = time.monotonic() + RETRY_UNSUPPORTED_S
+            if (pool, kind) not in self._supported or response.status_code in NO_ROUTE_STATUSES:
+                self._unsupported_until[(pool, kind)] = time.monotonic() + RETRY_UNSUPPORTED_S
             return estimate_tokens(kind, payload)
         try:
             result = read_tokenize_response(response.json())
@@ -104,6 +112,7 @@ class TokenCounter:
         if result is None:
             return estimate_tokens(kind, payload)
         count = result.count
+        self._supported.add((pool, kind))
         if result.max_model_len is not None:
             self.max_model_len[pool] = result.max_model_len
         self._cache[key] = count

@@ -42,6 +42,26 @@ def test_backend_without_tokenize_falls_back_to_the_estimate(upstream_factory: A
         "chat", {"messages": [{"role": "user", "content": "x y"}]})
 
 
+def test_one_refused_input_does_not_switch_the_pool_to_estimates(upstream_factory: Any) -> None:
+    """A client whose input the tokenizer refuses gets an estimate; every other request is still counted by the
+    backend (before: the whole pool was estimated for a minute, for every tenant)."""
+    upstream, _ = upstream_factory(tokenize_refuses="poison")
+    counter = TokenCounter()
+    assert count(counter, upstream.url, CHAT) == 7
+    poison = {"messages": [{"role": "user", "content": "poison " * 40}]}
+    assert count(counter, upstream.url, poison) == estimate_tokens("chat", poison)
+    assert count(counter, upstream.url, {"messages": [{"role": "user", "content": "a b c"}]}) == 5
+
+
+def test_a_pool_that_never_tokenized_a_kind_stops_asking_after_a_refusal(upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory(tokenize_refuses="user")  # every chat input: no chat template
+    counter = TokenCounter()
+    assert count(counter, upstream.url, CHAT) == estimate_tokens("chat", CHAT)
+    upstream.tokenize_refuses = None
+    assert count(counter, upstream.url, {"messages": [{"role": "user", "content": "a b c"}]}) == estimate_tokens(
+        "chat", {"messages": [{"role": "user", "content": "a b c"}]})
+
+
 def test_unreachable_backend_and_disabled_counter_estimate() -> None:
     assert count(TokenCounter(), "http://127.0.0.1:9", CHAT) == estimate_tokens("chat", CHAT)
     assert count(TokenCounter(enabled=False), "http://127.0.0.1:9", {"prompt": [1, 2, 3]},

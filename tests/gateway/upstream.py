@@ -33,6 +33,8 @@ class Upstream:
     # How long /health takes to answer (a busy backend that answers late).
     health_delay_s: float = 0.0
     tokenize: bool = True
+    # /tokenize answers 400 for an input containing this word (as vLLM refuses input it cannot tokenize).
+    tokenize_refuses: str | None = None
     max_model_len: int = 1024
     # Generate at most this many tokens whatever max_tokens says (like an early end-of-sequence).
     max_output: int | None = None
@@ -80,6 +82,8 @@ class Upstream:
                 return
             try:
                 count = _words(payload)
+                if self.tokenize_refuses is not None and self.tokenize_refuses in json.dumps(payload):
+                    raise ValueError(self.tokenize_refuses)
             except (TypeError, AttributeError, ValueError):
                 await self._json(send, 400, {"object": "error", "message": "malformed input"})
                 return
