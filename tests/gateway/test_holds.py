@@ -46,12 +46,15 @@ def _raw_request(secret: str, body: dict[str, Any]) -> bytes:
             + b"\r\n\r\n" + data)
 
 
-async def _send_and_leave(port: int, payload: bytes, after_s: float) -> None:
-    """Send a whole request, then close the connection `after_s` later without reading the answer."""
+async def _send_and_leave(port: int, payload: bytes, after_s: float, wait: Any = None) -> None:
+    """Send a whole request, then close the connection `after_s` later (or once `wait()` returns) without
+    reading the answer."""
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(payload)
     await writer.drain()
     await asyncio.sleep(after_s)
+    if wait is not None:
+        await wait()
     writer.close()
 
 
@@ -100,6 +103,16 @@ def test_clients_that_leave_at_any_moment_leave_nothing_held(
         for after_ms in LEAVE_AFTER_MS:
             await asyncio.gather(*(_send_and_leave(h.server.port, payload, after_ms / 1000)
                                    for _ in range(PER_DELAY)))
+        # And a group that leaves once the backend has some of its requests (however loaded the machine).
+        at_backend = len(upstream.received)
+
+        async def reached() -> None:
+            deadline = time.monotonic() + 10
+            while len(upstream.received) == at_backend and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(*(_send_and_leave(h.server.port, payload, 0.0, wait=reached)
+                               for _ in range(PER_DELAY)))
 
     started = time.monotonic()
     asyncio.run(attack())
@@ -107,8 +120,8 @@ def test_clients_that_leave_at_any_moment_leave_nothing_held(
     elapsed = time.monotonic() - started
     reached = len(upstream.received)
     with capsys.disabled():
-        print(f"\n[{kind}] {PER_DELAY * len(LEAVE_AFTER_MS)} requests, clients closing {LEAVE_AFTER_MS} ms after "
-              f"sending: {reached} reached the backend, {upstream.cancelled} cancelled there; after "
+        print(f"\n[{kind}] {PER_DELAY * (len(LEAVE_AFTER_MS) + 1)} requests, clients closing {LEAVE_AFTER_MS} ms "
+              f"after sending, and once the backend had some: {reached} reached the backend, {upstream.cancelled} cancelled there; after "
               f"{elapsed:.2f} s held: {held}")
     assert reached > 0, "no client stayed long enough to reach the backend: the test proves nothing"
     # What was charged is at most what reached a backend (prompt + 20 produced at most): nothing reserved
