@@ -138,6 +138,8 @@ GATEWAY_SATURATION_ADMISSION = env_bool("GATEWAY_SATURATION_ADMISSION", True)
 GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 30.0, at_least=0)
 GATEWAY_LEASE_S = env_float("GATEWAY_LEASE_S", 10.0, above=0)
 GATEWAY_LEASE_RENEW_S = env_float("GATEWAY_LEASE_RENEW_S", 3.0, above=0)
+GATEWAY_REDIS_MAX_CONNECTIONS = env_int("GATEWAY_REDIS_MAX_CONNECTIONS", 128, at_least=1)
+GATEWAY_REDIS_POOL_TIMEOUT_S = env_float("GATEWAY_REDIS_POOL_TIMEOUT_S", 10.0, above=0)
 GATEWAY_DEBT_DIMENSION = env_choice("GATEWAY_DEBT_DIMENSION", "tokens_per_second",
                                     ("tokens_per_second", "concurrency", "kv_bytes"))
 if GATEWAY_LEASE_RENEW_S >= GATEWAY_LEASE_S:

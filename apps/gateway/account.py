@@ -42,6 +42,9 @@ class Accountant:
         self.usage = usage
         self.in_flight = in_flight
         self.pending: list[PendingRelease] = []
+        self._releasing: set[asyncio.Task[None]] = set()
+        # Releases on their way to the store (their leases are renewed until they land or are deferred).
+        self.releasing: dict[str, PendingRelease] = {}
 
     async def finish(self, admission: Admission) -> None:
         """Release everything the request holds and account for it (call once)."""
@@ -73,13 +76,39 @@ class Accountant:
                       usage: UsageKey | None) -> None:
         if not reservation.accounted:
             return
+        # A task of its own, shielded: a cancellation of the request (shutdown, client gone, twice) must not
+        # leave the reservation held, nor lose the deferral when the store is away.
+        task = asyncio.ensure_future(self._release_or_defer(
+            PendingRelease(reservation, prompt_tokens, completion_tokens, usage)))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        await asyncio.shield(task)
+
+    async def forget(self, reservation: Reservation) -> None:
+        """Release what the store holds under the reservation's request id, with nothing used (an offer whose
+        answer was lost); a store that holds nothing under it changes nothing."""
+        await self.release(reservation, 0, 0, None)
+
+    async def _release_or_defer(self, item: PendingRelease) -> None:
+        request_id = item.reservation.request_id
+        self.releasing[request_id] = item
         try:
-            # Shielded: a cancellation (shutdown, client gone) must not leave the reservation held.
-            await asyncio.shield(self.store.release(reservation=reservation, prompt_tokens=prompt_tokens,
-                                                    completion_tokens=completion_tokens, usage=usage))
+            await self.store.release(reservation=item.reservation, prompt_tokens=item.prompt_tokens,
+                                     completion_tokens=item.completion_tokens, usage=item.usage)
         except StateStoreUnavailable:
-            logger.warning("release of %s deferred: state store unreachable", reservation.request_id)
-            self.pending.append(PendingRelease(reservation, prompt_tokens, completion_tokens, usage))
+            logger.warning("release of %s deferred: state store unreachable", request_id)
+            self.pending.append(item)
+        finally:
+            self.releasing.pop(request_id, None)
+
+    def unreleased(self) -> list[PendingRelease]:
+        """Releases not in the store yet (on their way, or deferred): their holds' leases stay renewed, so that
+        no reaper counts a request whose release is coming as spent in full."""
+        return [*self.releasing.values(), *self.pending]
+
+    def pending_ids(self, pool: str) -> list[str]:
+        """Requests of `pool` whose release has not reached the store yet (their leases are kept alive)."""
+        return [item.reservation.request_id for item in self.unreleased() if item.reservation.pool == pool]
 
     async def retry_pending(self) -> int:
         """Try the deferred releases again (every second); returns how many the store took."""

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import RequestContext
-from apps.gateway.errors import GatewayError, rejected, unavailable
+from apps.gateway.errors import GatewayError, rejected
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.parse import slo_hints
 from apps.gateway.routing import ReplicaSet, admission_saturation
-from apps.gateway.scheduler import PoolScheduler
+from apps.gateway.scheduler import PoolScheduler, store_error
 from apps.gateway.snapshot import KeyEntry, PoolInfo
 from apps.gateway.state import (
     REJECTED,
@@ -32,6 +32,7 @@ from apps.gateway.state import (
     Offer,
     RateView,
     Reservation,
+    StateStoreBusy,
     StateStoreUnavailable,
 )
 from apps.gateway.usage import UsageAccumulator
@@ -109,7 +110,8 @@ class InFlight:
 class Admitter:
     def __init__(self, *, store: GatewayStateStore, config: GatewayConfig, metrics: GatewayMetrics,
                  usage: UsageAccumulator, in_flight: InFlight,
-                 give_back: Callable[[Admission], Awaitable[None]]) -> None:
+                 give_back: Callable[[Admission], Awaitable[None]],
+                 forget: Callable[[Reservation], Awaitable[None]]) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
@@ -117,6 +119,8 @@ class Admitter:
         self.in_flight = in_flight
         # The account step's release, for a request that ends here (expired, cancelled, queue timeout).
         self.give_back = give_back
+        # Release whatever the store holds under a request id whose offer did not come back (idempotent).
+        self.forget = forget
         self._limits_cache: dict[tuple[EntitlementLimits, int], EntitlementLimits] = {}
 
     async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, pool: PoolInfo, scheduler: PoolScheduler,
@@ -130,7 +134,7 @@ class Admitter:
         request = AdmissionRequest(ctx.request_id, input_tokens, max_tokens, slo_ms, tier)
         saturation = admission_saturation(replicas, self.config.saturation_admission)
         offer = await self._offer(limits, pool, request, scheduler, saturation,
-                                  quota_claim(entry, limits, request, time.time()))
+                                  quota_claim(entry, limits, request, time.time(), lease_s=self.config.lease_s))
         ctx.view, ctx.quota = offer.view, offer.quota
         if offer.state == REJECTED:
             raise self._rejection(entry, limits, offer.decision)
@@ -174,10 +178,17 @@ class Admitter:
         try:
             return await self.store.offer(limits=limits, pool=pool, request=request, saturation=saturation,
                                           slot=scheduler.slot_request(), quota=quota)
-        except StateStoreUnavailable as exc:
-            if self.config.fail_open:
+        except BaseException as exc:
+            # The offer may have taken effect in the store though its answer never came back here (a reply
+            # lost to the socket timeout, a client that left while it was awaited): whatever the store holds
+            # under this request id (quota, slot, KV, a waiting or running record) is released, now or, if
+            # the store is away, by the deferred releases once it is back.
+            await self.forget(_lost(limits, pool, request, quota))
+            if not isinstance(exc, StateStoreUnavailable):
+                raise
+            if self.config.fail_open and not isinstance(exc, StateStoreBusy):
                 return _unaccounted(limits, pool, request)
-            raise unavailable("state_store_unavailable", f"The gateway state store is unreachable: {exc}") from None
+            raise store_error(exc) from None
 
     async def _wait(self, reservation: Reservation) -> bool:
         """Wait in the pool's waiting room; True once started. A cancellation (client gone, shutdown)
@@ -186,7 +197,7 @@ class Admitter:
             # The state machine's own acquire timeout: it expires whoever waited that long.
             return await self.store.wait(reservation=reservation, timeout_s=self.store.config.wait_timeout_s)
         except StateStoreUnavailable as exc:
-            raise unavailable("state_store_unavailable", f"The gateway state store is unreachable: {exc}") from None
+            raise store_error(exc) from None
 
     def _rejection(self, entry: KeyEntry, limits: EntitlementLimits, decision: AdmissionDecision) -> GatewayError:
         reason = decision.reason
@@ -205,9 +216,10 @@ class Admitter:
 
 
 def quota_claim(entry: KeyEntry, limits: EntitlementLimits, request: AdmissionRequest,
-                now_epoch: float) -> QuotaClaim | None:
+                now_epoch: float, lease_s: float | None = None) -> QuotaClaim | None:
     """What the request reserves against its entitlement's and tenant's quotas: the prompt plus the
-    `max_tokens` check (2) will charge. None without quotas, or for a request check (2) rejects anyway."""
+    `max_tokens` check (2) will charge, held under a lease of `lease_s` that this process renews while the
+    request lives. None without quotas, or for a request check (2) rejects anyway."""
     if not entry.quotas:
         return None
     max_tokens = resolved_max_tokens(limits, request)
@@ -215,7 +227,15 @@ def quota_claim(entry: KeyEntry, limits: EntitlementLimits, request: AdmissionRe
         return None
     now = dt.datetime.fromtimestamp(now_epoch, dt.UTC)
     return QuotaClaim(request.request_id, request.input_tokens, max_tokens,
-                      tuple(rule.charge_at(now) for rule in entry.quotas), now_epoch, scope=str(entry.tenant_id))
+                      tuple(rule.charge_at(now) for rule in entry.quotas), now_epoch, scope=str(entry.tenant_id),
+                      lease_s=lease_s)
+
+
+def _lost(limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, quota: QuotaClaim | None) -> Reservation:
+    """A release by request id for an offer whose outcome is unknown: it releases what the store holds
+    under the id, with nothing used (nothing reached a backend), and changes nothing if it holds none."""
+    return Reservation(request.request_id, limits.entitlement_id, pool.name, 0, 0.0, 0.0, request.max_tokens or 0,
+                       request.input_tokens, False, quota_scope=None if quota is None else quota.scope)
 
 
 def _unaccounted(limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest) -> Offer:

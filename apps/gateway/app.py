@@ -123,7 +123,8 @@ class Gateway:
             self.accountant = Accountant(store=self.store, metrics=self.metrics, usage=self.usage,
                                          in_flight=self.in_flight)
             self.admitter = Admitter(store=self.store, config=self.config, metrics=self.metrics, usage=self.usage,
-                                     in_flight=self.in_flight, give_back=self.accountant.finish)
+                                     in_flight=self.in_flight, give_back=self.accountant.finish,
+                                     forget=self.accountant.forget)
             self.loops.start()
             self._started = True
 
@@ -134,7 +135,9 @@ class Gateway:
             if not self.config.redis_url:
                 raise RuntimeError("GATEWAY_STATE_BACKEND=redis needs REDIS_URL")
             return RedisStateStore(url=self.config.redis_url, config=self.config.admission_config(),
-                                   dynamics_config=self.config.dynamics_config(), lease_s=self.config.lease_s)
+                                   dynamics_config=self.config.dynamics_config(), lease_s=self.config.lease_s,
+                                   max_connections=self.config.redis_max_connections,
+                                   pool_timeout_s=self.config.redis_pool_timeout_s)
         return MemoryStateStore(config=self.config.admission_config(), dynamics_config=self.config.dynamics_config())
 
     async def stop(self, *, grace_s: float = 5.0) -> None:
@@ -278,15 +281,16 @@ class Gateway:
     async def _completion(self, ctx: RequestContext, kind: str) -> None:
         snapshot = await self._snapshot()
         entry = authenticate(ctx, snapshot, time.time())
-        body = await read_body(ctx, self.config.max_body_bytes)
-        parsed = parse_request(kind, parse_json(body, max_depth=self.config.max_json_depth),
-                               max_tokens_limit=self.config.max_tokens_limit)
-        pool = authorize_model(snapshot, entry, parsed.model)
-        # From here on the client may go away (while waiting for admission, in the queue, or mid-stream):
-        # the watcher cancels this task so that everything held is released at once.
+        body = await read_body(ctx, self.config.max_body_bytes)  # a client gone meanwhile: ClientGone
+        # From here on the client may go away (while its tokens are counted, while it is offered or waits,
+        # before the upstream answers, mid-stream): the watcher cancels this task at once, which releases
+        # everything held and closes the upstream request (the backend sees its client go).
         ctx.task = asyncio.current_task()
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(ctx))
         try:
+            parsed = parse_request(kind, parse_json(body, max_depth=self.config.max_json_depth),
+                                   max_tokens_limit=self.config.max_tokens_limit)
+            pool = authorize_model(snapshot, entry, parsed.model)
             await self._serve(ctx, entry, parsed, pool)
         except asyncio.CancelledError:
             if ctx.task is None or not (ctx.disconnected or ctx.preempted):

@@ -40,6 +40,8 @@ SETTING_NAMES: dict[str, str] = {
     "lease_s": "GATEWAY_LEASE_S",
     "lease_renew_s": "GATEWAY_LEASE_RENEW_S",
     "debt_dimension": "GATEWAY_DEBT_DIMENSION",
+    "redis_max_connections": "GATEWAY_REDIS_MAX_CONNECTIONS",
+    "redis_pool_timeout_s": "GATEWAY_REDIS_POOL_TIMEOUT_S",
 }
 
 
@@ -77,6 +79,10 @@ class GatewayConfig:
     lease_renew_s: float = 3.0
     # The baseline the service gap of debt (2) is measured against (the paper: throughput).
     debt_dimension: str = "tokens_per_second"
+    # The Redis connections of one gateway process (one blocking pool), and how long a call waits for a
+    # free one before it answers 503 state_store_busy (waiting for a connection is not Redis being away).
+    redis_max_connections: int = 128
+    redis_pool_timeout_s: float = 10.0
     background: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -147,6 +147,12 @@ class MemoryStateStore(GatewayStateStore):
 
     # --- reads ------------------------------------------------------------------------------------------
 
+    async def quota_leases(self, *, scope: str, request_ids: Sequence[str], lease_s: float) -> list[str]:
+        # One book for every scope: the in-process holds of every tenant are renewed and reaped together.
+        now = self.clock.now()
+        self.quotas.renew(request_ids, now + lease_s)
+        return self.quotas.reap(now)
+
     async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
         return [self.quotas.standing(charge) for charge in charges]
 

@@ -154,13 +154,39 @@ class ProcessLoops:
         gateway = self.gateway
         assert gateway.store is not None
         reaped = 0
+        pending = getattr(gateway, "accountant", None)
         try:
             for name in list(gateway.schedulers):
-                await gateway.store.leases_renew(pool=name, request_ids=gateway.in_flight.ids(name))
+                ids = gateway.in_flight.ids(name) + ([] if pending is None else pending.pending_ids(name))
+                await gateway.store.leases_renew(pool=name, request_ids=ids)
                 await gateway.schedulers[name].renew_slots()
                 reaped += await gateway.store.leases_reap(pool=name)
+            reaped += await self.quota_leases_tick()
         except StateStoreUnavailable:
             pass
+        return reaped
+
+    async def quota_leases_tick(self) -> int:
+        """Renew the quota holds of this process's requests (in flight, or whose release waits for the
+        store), scope by scope, and settle every hold of the scope whose lease lapsed (its process died,
+        or lost it): a quota hold is reclaimed within a lease, as a slot is. Returns how many."""
+        gateway = self.gateway
+        assert gateway.store is not None
+        snapshot = gateway.snapshots.current
+        if snapshot is None:
+            return 0
+        holders: dict[str, list[str]] = {str(entry.tenant_id): [] for entry in snapshot.keys.values() if entry.quotas}
+        for ctx in gateway.in_flight.contexts():
+            if ctx.entry is not None and ctx.entry.quotas:
+                holders.setdefault(str(ctx.entry.tenant_id), []).append(ctx.request_id)
+        accountant = getattr(gateway, "accountant", None)
+        for item in [] if accountant is None else accountant.unreleased():
+            if item.reservation.quota_scope is not None:
+                holders.setdefault(item.reservation.quota_scope, []).append(item.reservation.request_id)
+        reaped = 0
+        for scope, ids in holders.items():
+            reaped += len(await gateway.store.quota_leases(scope=scope, request_ids=ids,
+                                                           lease_s=gateway.config.lease_s))
         return reaped
 
     async def usage_flush(self) -> int:

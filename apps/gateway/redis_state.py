@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
@@ -42,6 +44,7 @@ from apps.gateway.state import (
     Reservation,
     SlotGrant,
     SlotRequest,
+    StateStoreBusy,
     StateStoreUnavailable,
     UsageKey,
     rate_view,
@@ -81,13 +84,33 @@ CAS_BACKOFF_CAP_S = 0.05
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
            "slot_acquire", "slots_renew", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read",
-           "fields")
+           "quota_leases", "fields")
 
 
 # Entries that only read (Redis may run them anywhere, replicas included).
 READ_ONLY = frozenset({"read", "quota_read", "fields"})
 # A tenant's quota hash outlives the longest window (a month) by a few days.
 QUOTA_TTL_S = 35 * 86400
+# The process's connections to Redis: one blocking pool shared by every request; a call waits up to the
+# pool timeout for a free connection (a burst queues for a moment; it is not an outage).
+MAX_CONNECTIONS = 128
+POOL_TIMEOUT_S = 10.0
+
+
+def store_error(exc: BaseException) -> StateStoreUnavailable | None:
+    """What a Redis error means for the gateway: `StateStoreUnavailable` only when Redis cannot be reached
+    (refused, connect or read timeout, reset, loading, a read-only replica after a failover);
+    `StateStoreBusy` when it is there but no pooled connection came free in time or it is busy running
+    a script; None for anything else (a script error is a bug: it propagates, a 500, never a 503)."""
+    text = str(exc)
+    if isinstance(exc, MaxConnectionsError) or (isinstance(exc, RedisConnectionError)
+                                                and "No connection available" in text):
+        return StateStoreBusy(f"Redis busy (no free connection: {text})")
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError | ReadOnlyError):
+        return StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})")
+    if isinstance(exc, ResponseError) and text.startswith("BUSY"):
+        return StateStoreBusy(f"Redis busy ({text})")
+    return None
 
 
 @cache
@@ -153,6 +176,7 @@ class RedisStateStore(GatewayStateStore):
         self, *, url: str = "", socket_timeout_s: float = 1.0, client: aioredis.Redis | None = None,
         prefix: str = PREFIX, clock: Clock | None = None, config: AdmissionConfig = DEFAULT_ADMISSION_CONFIG,
         dynamics_config: DynamicsConfig | None = None, lease_s: float = 10.0,
+        max_connections: int = MAX_CONNECTIONS, pool_timeout_s: float = POOL_TIMEOUT_S,
     ) -> None:
         super().__init__()
         self.prefix = prefix
@@ -160,11 +184,12 @@ class RedisStateStore(GatewayStateStore):
         self.config = config
         self.dynamics_config = dynamics_config or DynamicsConfig()
         self.lease_s = lease_s
-        # Short timeouts: an unreachable store must turn into a fast 503, not a hung request.
-        self.redis = client or aioredis.Redis.from_url(
-            url, socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s, decode_responses=True,
-            health_check_interval=30,
-        )
+        # Short socket timeouts: an unreachable store must turn into a fast 503, not a hung request. One
+        # blocking pool: a burst of requests waits for a free connection instead of failing for want of one.
+        self.redis = client or aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_timeout_s, socket_connect_timeout=socket_timeout_s,
+            socket_timeout=socket_timeout_s, decode_responses=True, health_check_interval=30,
+        ))
         self._library, self._version = function_library()
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
         # only come from other processes (a retry storm among our own tasks would be pure waste).
@@ -194,13 +219,19 @@ class RedisStateStore(GatewayStateStore):
                 await self.redis.function_load(self._library, replace=True)
                 return await self.redis.fcall(function, len(keys), *keys, *args)
         except (RedisError, OSError) as exc:
-            raise StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
+            error = store_error(exc)
+            if error is None:
+                raise
+            raise error from exc
 
     async def _redis(self, operation: Any) -> Any:
         try:
             return await operation
         except (RedisError, OSError) as exc:
-            raise StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
+            error = store_error(exc)
+            if error is None:
+                raise
+            raise error from exc
 
     # --- the transitions -------------------------------------------------------------------------------
 
@@ -274,12 +305,17 @@ class RedisStateStore(GatewayStateStore):
     def _quota_key(self, scope: str) -> str:
         return f"{self.prefix}{{q:{scope}}}:quota"
 
+    def _quota_keys(self, scope: str) -> list[str]:
+        """The scope's quota hash and the leases of its holds (one hash tag: one cluster slot)."""
+        return [self._quota_key(scope), f"{self.prefix}{{q:{scope}}}:leases"]
+
     async def _quota_reserve(self, claim: QuotaClaim) -> QuotaVerdict:
-        args: list[Any] = [claim.request_id, claim.input_tokens, claim.max_tokens, QUOTA_TTL_S]
+        args: list[Any] = [claim.request_id, claim.input_tokens, claim.max_tokens, QUOTA_TTL_S, self._now(),
+                           "" if claim.lease_s is None else repr(float(claim.lease_s))]
         for charge in claim.charges:
             args += [charge.key, repr(float(charge.limit)), charge.window_id, repr(float(charge.seed_used)),
                      repr(float(charge.input_weight)), repr(float(charge.output_weight))]
-        raw = await self._call("quota_reserve", [self._quota_key(claim.scope)], args)
+        raw = await self._call("quota_reserve", self._quota_keys(claim.scope), args)
         status = int(raw[0])
         if status == -1:
             return QuotaVerdict(False)
@@ -291,8 +327,12 @@ class RedisStateStore(GatewayStateStore):
         return QuotaVerdict(True, binding(standings))
 
     async def _quota_settle(self, scope: str, request_id: str, input_tokens: float, output_tokens: float) -> None:
-        await self._call("quota_settle", [self._quota_key(scope)],
+        await self._call("quota_settle", self._quota_keys(scope),
                          [request_id, repr(float(input_tokens)), repr(float(output_tokens))])
+
+    async def quota_leases(self, *, scope: str, request_ids: Sequence[str], lease_s: float) -> list[str]:
+        return [str(r) for r in await self._call("quota_leases", self._quota_keys(scope),
+                                                  [self._now(), repr(float(lease_s)), *request_ids])]
 
     async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
         if not charges:
@@ -516,11 +556,14 @@ class RedisStateStore(GatewayStateStore):
                     pipe.set(self._slot_keys(pool)[1], int(budget))
                 await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise StateStoreUnavailable(str(exc)) from exc
+            error = store_error(exc)
+            if error is None:
+                raise
+            raise error from exc
 
     async def pool_budget(self, *, pool: str) -> int | None:
         value = await self._redis(self.redis.get(self._slot_keys(pool)[1]))
         return None if value is None else int(value)
 
     async def close(self) -> None:
-        await self.redis.aclose()
+        await self.redis.aclose(close_connection_pool=True)

@@ -30,7 +30,13 @@ from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from apps.gateway.errors import GatewayError, rejected, unavailable
-from apps.gateway.state import GatewayStateStore, SlotGrant, SlotRequest, StateStoreUnavailable
+from apps.gateway.state import (
+    GatewayStateStore,
+    SlotGrant,
+    SlotRequest,
+    StateStoreBusy,
+    StateStoreUnavailable,
+)
 from apps.policy import CLASS_TRAITS, AimdController, BudgetScheduler, FlowConfig, LatencyHistogram
 
 logger = logging.getLogger(__name__)
@@ -220,7 +226,7 @@ class PoolScheduler:
                 grant = await self._try_slot(request_id)
             except StateStoreUnavailable as exc:
                 self.held.discard(request_id)
-                if self.fail_open:
+                if self.fail_open and not isinstance(exc, StateStoreBusy):
                     return
                 raise _store_error(exc) from None
             except BaseException:
@@ -267,7 +273,7 @@ class PoolScheduler:
             except StateStoreUnavailable as exc:
                 self._gate.popleft()
                 if not future.done():
-                    if self.fail_open:
+                    if self.fail_open and not isinstance(exc, StateStoreBusy):
                         future.set_result(None)
                     else:
                         future.set_exception(_store_error(exc))
@@ -369,6 +375,14 @@ class PoolScheduler:
 
 
 def _store_error(exc: Exception) -> GatewayError:
+    return store_error(exc)
+
+
+def store_error(exc: Exception) -> GatewayError:
+    """503: the store is away (`state_store_unavailable`), or there but too busy to answer in time
+    (`state_store_busy`: no connection of the pool came free; never failed open)."""
+    if isinstance(exc, StateStoreBusy):
+        return unavailable("state_store_busy", f"The gateway state store is busy, try again: {exc}")
     return unavailable("state_store_unavailable", f"The gateway state store is unreachable: {exc}")
 
 

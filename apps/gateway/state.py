@@ -46,6 +46,11 @@ class StateStoreUnavailable(Exception):
     """The shared state store cannot be reached; the app answers 503 (or admits, if failing open)."""
 
 
+class StateStoreBusy(StateStoreUnavailable):
+    """The store is there but this call could not be served in time (no connection of the pool came free,
+    Redis busy running a script): never a reason to fail open, and a release that met it is tried again."""
+
+
 @dataclass(slots=True)
 class Reservation:
     """A request the state machine holds (waiting or running): what the gateway needs to release it."""
@@ -185,6 +190,11 @@ class GatewayStateStore(ABC):
         is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already. A store
         that `records_usage` counts the tokens served under `usage` in the same step. The request's quota
         reservation is settled at what it used (given prompt, or as counted at admission, plus output)."""
+
+    async def quota_leases(self, *, scope: str, request_ids: Sequence[str], lease_s: float) -> list[str]:
+        """Renew the leases of these requests' quota holds in `scope`, then settle the holds whose lease
+        lapsed at their whole amount (`QuotaBook.reap`); returns the ids settled."""
+        return []
 
     @abstractmethod
     async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:

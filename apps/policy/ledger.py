@@ -394,7 +394,7 @@ class AdmissionLedger:
         an offer the checks reject gives the reservation back."""
         if request.request_id in self._requests:
             return self.request(entitlement_id, request, now, limits)  # rejected as a duplicate, quota untouched
-        verdict = self.quotas.reserve(quota)
+        verdict = self.quotas.reserve(quota, now)
         if not verdict.admitted:
             self.counters.offered += 1
             rejected = self._rejected(None, quota_refusal(verdict, quota))

@@ -11,6 +11,11 @@ Transitions (the ledger and both gateway stores apply exactly these; `make confo
     settle   at the end: the reservation is dropped and what was really used is added (never more than
              was reserved, so no window ever counts more than its limit); once per request
     refund   settle with nothing used (rejected, expired or cancelled before anything was produced)
+    lease    a hold may carry a lease (a deadline its holder renews while the request lives); `reap`
+             settles every hold whose lease lapsed at its whole amount, as a release with its usage unknown
+             (the holder died or lost track of it: it may have been served, and counting it spent is the
+             side that never lets a window exceed its limit). A live gateway settles its own holds exactly,
+             even for requests whose client left or whose offer's reply was lost; the lease is the backstop.
 
 A quota's state is `(window, used, reserved)`; a claim naming a newer window starts the quota over from
 `seed_used` (what the usage records say the new window has used so far, for a cold start after a
@@ -21,6 +26,7 @@ the window ids and reset instants the caller computed (`quota_window_of`), so th
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo
 
@@ -111,6 +117,8 @@ class QuotaClaim:
     # Whose quotas these are (the tenant): a shared store keeps one scope's quotas together, so that a
     # reservation against the tenant's and the entitlement's quota is one atomic step.
     scope: str = ""
+    # The hold's lease (seconds; renewed by its holder while the request lives); None: held until settled.
+    lease_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +169,8 @@ def binding(standings: list[QuotaStanding]) -> QuotaStanding | None:
 class QuotaBook:
     states: dict[str, QuotaState] = field(default_factory=dict)
     holds: dict[str, tuple[QuotaHold, ...]] = field(default_factory=dict)
+    # Request id -> the deadline of its hold's lease (holds without a lease are not reaped).
+    leases: dict[str, float] = field(default_factory=dict)
 
     def _state(self, charge: QuotaCharge) -> QuotaState:
         state = self.states.get(charge.key)
@@ -168,8 +178,9 @@ class QuotaBook:
             state = self.states[charge.key] = QuotaState(charge.window_id, float(charge.seed_used), 0.0)
         return state
 
-    def reserve(self, claim: QuotaClaim) -> QuotaVerdict:
-        """Reserve the claim's prompt plus max_tokens under every quota, or nothing at all."""
+    def reserve(self, claim: QuotaClaim, now: float | None = None) -> QuotaVerdict:
+        """Reserve the claim's prompt plus max_tokens under every quota, or nothing at all; a claim with a
+        `lease_s` (and a `now`) holds it until `now + lease_s` unless renewed (`renew`, `reap`)."""
         if not claim.charges:
             return QuotaVerdict(True)
         if claim.request_id in self.holds:
@@ -186,10 +197,13 @@ class QuotaBook:
             state.reserved += cost
             holds.append(QuotaHold(charge.key, charge.window_id, cost, charge.input_weight, charge.output_weight))
         self.holds[claim.request_id] = tuple(holds)
+        if claim.lease_s is not None and now is not None:
+            self.leases[claim.request_id] = now + claim.lease_s
         return QuotaVerdict(True, binding([QuotaStanding(c, s.used, s.reserved) for c, s, _ in standings]))
 
     def settle(self, request_id: str, input_tokens: float, output_tokens: float) -> bool:
         """Drop the request's reservations and count what it used; False if it held none (or settled)."""
+        self.leases.pop(request_id, None)
         holds = self.holds.pop(request_id, None)
         if holds is None:
             return False
@@ -204,6 +218,24 @@ class QuotaBook:
 
     def refund(self, request_id: str) -> bool:
         return self.settle(request_id, 0, 0)
+
+    def renew(self, request_ids: Iterable[str], lease_until: float) -> None:
+        """Extend the leases of holds that have one (a settled or unknown id changes nothing)."""
+        for request_id in request_ids:
+            if request_id in self.leases:
+                self.leases[request_id] = lease_until
+
+    def reap(self, now: float) -> list[str]:
+        """Settle every hold whose lease lapsed by `now` at its whole amount; returns their ids (by deadline)."""
+        lapsed = sorted((deadline, request_id) for request_id, deadline in self.leases.items() if deadline <= now)
+        for _, request_id in lapsed:
+            self.leases.pop(request_id, None)
+            for hold in self.holds.pop(request_id, ()):
+                state = self.states.get(hold.key)
+                if state is not None and state.window_id == hold.window_id:
+                    state.reserved = max(0.0, state.reserved - hold.amount)
+                    state.used += hold.amount
+        return [request_id for _, request_id in lapsed]
 
     def verdict(self, claim: QuotaClaim) -> QuotaVerdict:
         """Where the claim's quotas stand now, without reserving (after a refund, for the headers)."""

@@ -31,6 +31,7 @@ from tests.conformance.scenarios import (
     Expire,
     NewWindow,
     Offer,
+    QuotaLeases,
     QuotaState,
     Scenario,
     Tick,
@@ -75,6 +76,7 @@ class Quotas:
         self.clock = clock
         self.charges = dict(scenario.quotas)
         self.limits = {limits.entitlement_id: limits for limits in scenario.entitlements}
+        self.lease_s = scenario.quota_lease_s
 
     def claim(self, step: Offer) -> QuotaClaim | None:
         charges = self.charges.get(step.ent)
@@ -82,7 +84,8 @@ class Quotas:
         max_tokens = resolved_max_tokens(self.limits[step.ent], request)
         if not charges or max_tokens is None:
             return None
-        return QuotaClaim(step.rid, step.input_tokens, max_tokens, charges, self.clock.now(), scope=self.SCOPE)
+        return QuotaClaim(step.rid, step.input_tokens, max_tokens, charges, self.clock.now(), scope=self.SCOPE,
+                          lease_s=self.lease_s)
 
     def bind(self, limits: EntitlementLimits) -> None:
         self.limits[limits.entitlement_id] = limits
@@ -137,6 +140,9 @@ class LedgerDriver:
         if isinstance(step, QuotaState):
             standing = ledger.quotas.standing(self.quotas.charge(step.key))
             return {"used": standing.used, "reserved": standing.reserved}
+        if isinstance(step, QuotaLeases):
+            ledger.quotas.renew(step.renew, now + step.lease_s)
+            return {"reaped": tuple(ledger.quotas.reap(now))}
         if isinstance(step, Complete | Cancel):
             output = step.output if isinstance(step, Complete) else None
             prompt = step.prompt if isinstance(step, Complete) else None
@@ -202,6 +208,9 @@ class StoreDriver:
         if isinstance(step, QuotaState):
             [standing] = await store.quota_standings(scope=Quotas.SCOPE, charges=[self.quotas.charge(step.key)])
             return {"used": standing.used, "reserved": standing.reserved}
+        if isinstance(step, QuotaLeases):
+            reaped = await store.quota_leases(scope=Quotas.SCOPE, request_ids=step.renew, lease_s=step.lease_s)
+            return {"reaped": tuple(reaped)}
         if isinstance(step, Complete | Cancel):
             reservation = self.reservations[step.rid]
             if isinstance(step, Complete):

@@ -110,6 +110,16 @@ class QuotaState:
 
 
 @dataclass(frozen=True)
+class QuotaLeases:
+    """The holder renews the quota leases of `renew` (for `lease_s` from now), then every hold whose lease
+    lapsed is settled at its whole amount; `reaped` is what is expected to be settled."""
+
+    renew: tuple[str, ...] = ()
+    lease_s: float = 2.0
+    reaped: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     pool: Pool
@@ -117,6 +127,8 @@ class Scenario:
     steps: tuple[Any, ...]
     # Entitlement -> the quotas its requests are under (one tenant's: one scope).
     quotas: tuple[tuple[str, tuple[QuotaCharge, ...]], ...] = ()
+    # The lease of every quota hold (seconds; None: held until settled).
+    quota_lease_s: float | None = None
     # A check of the whole trace (list of observations), e.g. debt rising then decaying.
     check: Callable[[list[dict[str, Any]]], None] | None = field(default=None, compare=False)
 
@@ -425,5 +437,33 @@ SCENARIOS: tuple[Scenario, ...] = (
             QuotaState("entitlement:scavenger", used=3.0, reserved=0.0),
         ),
         quotas=(("scavenger", (quota("entitlement:scavenger", 100.0),)),),
+    ),
+    Scenario(
+        "quota: a hold whose lease lapsed is settled at its whole amount; a release after it settles nothing",
+        Pool(slots=8),
+        (ent("chat", "guaranteed", concurrency=8),),
+        (
+            Offer("r1", "chat", 10, 20, expect="running"),
+            Offer("r2", "chat", 10, 20, expect="running"),
+            Offer("r3", "chat", 10, 20, expect="running"),
+            QuotaState("entitlement:chat", used=0.0, reserved=90.0),
+            At(1.5),
+            QuotaLeases(renew=("r1", "gone"), reaped=()),
+            Complete("r3", output=5),
+            QuotaState("entitlement:chat", used=15.0, reserved=60.0),
+            At(2.5),
+            # r2's holder stopped renewing (its process died): its whole hold counts as spent
+            QuotaLeases(reaped=("r2",)),
+            QuotaState("entitlement:chat", used=45.0, reserved=30.0),
+            Complete("r2", output=3),
+            QuotaState("entitlement:chat", used=45.0, reserved=30.0),
+            At(4.0),
+            QuotaLeases(reaped=("r1",)),
+            QuotaState("entitlement:chat", used=75.0, reserved=0.0),
+            Complete("r1", output=1),
+            QuotaState("entitlement:chat", used=75.0, reserved=0.0),
+        ),
+        quotas=(("chat", (quota("entitlement:chat", 1000.0),)),),
+        quota_lease_s=2.0,
     ),
 )

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.conformance
 
 EXPECTED_FIELDS = {"expect": ("state", "outcome", "expired"), "reason": ("reason",), "started": ("started",),
                    "evicted": ("evicted",), "in_flight": ("in_flight",), "running": ("running",),
-                   "tokens": ("tokens",), "used": ("used",), "reserved": ("reserved",)}
+                   "tokens": ("tokens",), "used": ("used",), "reserved": ("reserved",),
+                   "reaped": ("reaped",)}
 
 
 async def _trace(driver: Any, scenario: Scenario) -> list[dict[str, Any]]:

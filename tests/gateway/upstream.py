@@ -124,7 +124,20 @@ class Upstream:
                 finally:
                     watcher.cancel()
             else:
-                await asyncio.sleep(self.first_token_delay_s + n * self.token_delay_s)
+                # Like vLLM (`with_cancellation`), a non-streamed request is aborted when its caller goes away.
+                task = asyncio.current_task()
+
+                async def watch_plain() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    if task is not None:
+                        task.cancel()
+
+                watcher = asyncio.create_task(watch_plain())
+                try:
+                    await asyncio.sleep(self.first_token_delay_s + n * self.token_delay_s)
+                finally:
+                    watcher.cancel()
                 text = " ".join(f"t{i}" for i in range(n))
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
                           if chat else {"index": 0, "text": text, "finish_reason": "length"})

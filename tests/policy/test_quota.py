@@ -92,3 +92,18 @@ def test_a_rule_charges_its_seed_only_in_the_window_it_was_read_for() -> None:
     rule = QuotaRule("tenant", 10.0, "day", seed_window_id="2026-11-24", seed_used=4.0)
     assert rule.charge_at(dt.datetime(2026, 11, 24, 12, tzinfo=UTC)).seed_used == 4.0
     assert rule.charge_at(dt.datetime(2026, 11, 25, 0, 1, tzinfo=UTC)).seed_used == 0.0
+
+
+def test_a_lapsed_lease_settles_the_hold_at_its_whole_amount_and_a_renewed_one_stays() -> None:
+    book = QuotaBook()
+    charge = QuotaCharge("entitlement:chat", 100.0, "w1", reset_at=3600.0)
+    for rid in ("a", "b"):
+        assert book.reserve(QuotaClaim(rid, 10, 20, (charge,), 0.0, lease_s=2.0), now=0.0).admitted
+    book.renew(["a", "unknown"], 1.5 + 2.0)
+    assert book.reap(1.0) == []
+    assert book.reap(2.0) == ["b"]
+    assert (book.standing(charge).used, book.standing(charge).reserved) == (30.0, 30.0)
+    assert not book.settle("b", 1, 1)  # its release after the reap settles nothing
+    assert book.settle("a", 5, 5)
+    assert book.reap(10.0) == []
+    assert (book.standing(charge).used, book.standing(charge).reserved) == (40.0, 0.0)

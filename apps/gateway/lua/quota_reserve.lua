@@ -2,8 +2,11 @@
 -- nothing (apps.policy.quota.QuotaBook.reserve). One hash per tenant holds its quotas and its entitlements'
 -- (`tp:gw:{q:<tenant>}:quota`, one cluster slot), so a tenant-wide quota is exact across pools.
 --   w:<key> window id, u:<key> used, r:<key> reserved; h:<request id> the request's holds (JSON)
--- KEYS: the quota hash.  ARGV: request id, input tokens, max tokens, expiry seconds, then per quota:
--- key, limit, window id, seed used, input weight, output weight.
+-- A hold may carry a lease (QuotaBook.reserve with a claim's lease_s): its deadline in the scope's lease zset,
+-- renewed by its holder while the request lives; QUOTA LEASES settles the lapsed ones.
+-- KEYS: the quota hash, the lease zset.  ARGV: request id, input tokens, max tokens, expiry seconds, now
+-- ('' = Redis time), lease seconds ('' = no lease), then per quota: key, limit, window id, seed used, input
+-- weight, output weight.
 -- Returns {1, used, reserved, ...} (each quota after the reservation), {0, index, used, reserved} for the
 -- first quota that cannot fit, or {-1} for a request id that already holds a reservation.
 local q = KEYS[1]
@@ -11,7 +14,7 @@ local id = ARGV[1]
 if redis.call('HEXISTS', q, 'h:' .. id) == 1 then return {-1} end
 local input, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local quotas = {}
-for i = 5, #ARGV, 6 do
+for i = 7, #ARGV, 6 do
   local key, limit, window = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
   local stored = redis.call('HMGET', q, 'w:' .. key, 'u:' .. key, 'r:' .. key)
   local used, reserved = tonumber(ARGV[i + 3]), 0
@@ -32,7 +35,10 @@ for _, quota in ipairs(quotas) do
   out[#out + 1] = fmt(quota.reserved)
 end
 redis.call('HSET', q, 'h:' .. id, cjson.encode(holds))
--- Kept a while past the longest window; a request of a process that died keeps its reservation until then
--- (it may have been served: counting it spent is the side that never lets a window exceed its limit).
+if ARGV[6] ~= '' then
+  redis.call('ZADD', KEYS[2], fmt(clock(ARGV[5]) + tonumber(ARGV[6])), id)
+  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[4]))
+end
+-- Kept a while past the longest window (a hold without a lease stays until then).
 redis.call('EXPIRE', q, tonumber(ARGV[4]))
 return out

@@ -1,8 +1,9 @@
 -- QUOTA SETTLE: drop the request's reservations and count what it used, never more than it reserved
 -- (apps.policy.quota.QuotaBook.settle); a reservation from a window that has ended counts in neither.
--- Settling twice changes nothing. KEYS: the quota hash.  ARGV: request id, input tokens, output tokens.
+-- Settling twice changes nothing. KEYS: the quota hash, the lease zset.  ARGV: request id, input tokens, output tokens.
 local q = KEYS[1]
 local field = 'h:' .. ARGV[1]
+redis.call('ZREM', KEYS[2], ARGV[1])
 local raw = redis.call('HGET', q, field)
 if not raw then return 0 end
 redis.call('HDEL', q, field)
