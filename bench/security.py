@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import httpx
 from bench.results import machine_description, write_section
 from tests.support.crash import upstream, wait_for_workers, worker_pids
 from tests.support.manifests import documents, entitlement, tiny_pool
-from tests.support.services import running_redis
+from tests.support.services import PrivateRedis
 from tests.support.site import PreparedSite, manage, prepare_site, serving
 
 LEASE_S = 3.0
@@ -82,8 +81,9 @@ def manifest(backend_url: str) -> str:
 
 
 class Attacker:
-    def __init__(self, url: str, site: PreparedSite, backend: object, redis_url: str, process_pid: int = 0) -> None:
-        self.url, self.site, self.backend, self.redis_url = url, site, backend, redis_url
+    def __init__(self, url: str, site: PreparedSite, backend: object, redis: PrivateRedis | None = None,
+                 process_pid: int = 0) -> None:
+        self.url, self.site, self.backend, self.redis = url, site, backend, redis
         # The `serve` process whose workers' memory the YAML bomb row reports.
         self.process_pid = process_pid
         self.rows: list[Row] = []
@@ -149,16 +149,18 @@ class Attacker:
         left = await self.reserved_quota_tokens("daily")
         self.row(f"60 requests (max_tokens 400) whose clients close 0, 1, 5, 10, 50 ms after sending; quota "
                  f"tokens still reserved {LEASE_S * 2 + 1:.0f} s later", f"{left:.0f}", "0", left == 0)
-        stall = subprocess.Popen(["redis-cli", "-u", self.redis_url, "DEBUG", "SLEEP", "5"],
-                                 stdout=subprocess.DEVNULL)
-        await asyncio.sleep(0.2)
-        statuses = await asyncio.gather(*(self.post(key, _chat("open", 4)) for _ in range(10)),
-                                        return_exceptions=True)
-        stall.wait()
+        # Redis 7 refuses DEBUG SLEEP unless started to allow it: SIGSTOP freezes it the same way (connections
+        # open, nothing answers), for 5 s.
+        assert self.redis is not None
+        self.redis.pause()
+        offered = asyncio.gather(*(self.post(key, _chat("open", 4)) for _ in range(10)), return_exceptions=True)
+        await asyncio.sleep(5)
+        self.redis.resume()
+        statuses = await offered
         await asyncio.sleep(LEASE_S * 2 + 1)
         left = await self.reserved_quota_tokens("daily")
         codes = Counter(getattr(s, "status_code", type(s).__name__) for s in statuses)
-        self.row("10 requests offered during a 5 s Redis stall (`DEBUG SLEEP 5`); quota tokens reserved after",
+        self.row("10 requests offered during a 5 s Redis stall (SIGSTOP); quota tokens reserved after",
                  f"{left:.0f} (answers: {dict(codes)})", "0", left == 0)
 
     # --- item 3 ---------------------------------------------------------------------------------------
@@ -302,7 +304,7 @@ def api_token(url: str, username: str) -> str:
 async def fail_open_burst(site: PreparedSite, backend: object) -> Row:
     with serving(site, workers=1, env={**SITE_ENV, "GATEWAY_FAIL_OPEN": "1"}, log_name="fail-open.log") as (url, _):
         backend.peak = 0  # type: ignore[attr-defined]
-        attacker = Attacker(url, site, backend, "")
+        attacker = Attacker(url, site, backend)
         codes, served = await attacker.burst("tight-open", 200)
         peak = backend.peak  # type: ignore[attr-defined]
     return Row("the same burst with `GATEWAY_FAIL_OPEN=1`, Redis up (quota 250 tokens, concurrency 8)",
@@ -316,15 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=[], metavar="ATTACK", choices=ATTACKS,
                         help=f"run only these ({', '.join(ATTACKS)})")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="tokenpools-attack-") as tmp, running_redis() as redis_url, \
-            upstream(token_delay_s=0.01) as backend:
-        env = {**SITE_ENV, "REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis"}
+    redis = PrivateRedis()
+    redis.start()
+    with tempfile.TemporaryDirectory(prefix="tokenpools-attack-") as tmp, upstream(token_delay_s=0.01) as backend:
+        env = {**SITE_ENV, "REDIS_URL": redis.url, "GATEWAY_STATE_BACKEND": "redis"}
         site = prepare_site(Path(tmp), tenants=["acme", "globex"], manifest=manifest(backend.url),
                             key_for=["filler", "spotty", "daily", "tight", "tight-open"], env=env)
         manage(site.env, "shell", "-c", f"PASSWORD = {PASSWORD!r}\n" + USERS)
         with serving(site, workers=2, log_name="attack-serve.log") as (url, process):
             wait_for_workers(process.pid, 2)
-            attacker = Attacker(url, site, backend, redis_url, process.pid)
+            attacker = Attacker(url, site, backend, redis, process.pid)
             tokens = {name: api_token(url, name) for name in ("mallory", "olivia", "eve")}
 
             attacks = {"hints": attacker.hints, "disconnects": attacker.disconnects, "bursts": attacker.bursts,
@@ -339,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(everything())
         if not args.only or "fail-open" in args.only:
             attacker.rows.append(asyncio.run(fail_open_burst(site, backend)))
+    redis.remove()
     rows = attacker.rows
     text = "\n".join([
         "Command: `python -m bench.security` (`make bench-security`)  ",
