@@ -31,7 +31,12 @@ class _ShortRepr(reprlib.Repr):
     def __init__(self) -> None:
         super().__init__()
         self.maxlevel, self.maxlist, self.maxdict, self.maxtuple, self.maxset = 3, 4, 4, 4, 4
-        self.maxstring = self.maxother = self.maxlong = EXCERPT_CHARS
+        # A lone string fits whole in an excerpt: its quotes and the ellipsis included.
+        self.maxstring, self.maxother, self.maxlong = EXCERPT_CHARS - 3, EXCERPT_CHARS, EXCERPT_CHARS
+
+    def repr_str(self, x: str, level: int) -> str:
+        # The start of the text and an ellipsis (reprlib's own keeps both ends, joined by "...").
+        return repr(x) if len(x) <= self.maxstring else repr(x[: self.maxstring])[:-1] + "…'"
 
     def repr_int(self, x: int, level: int) -> str:
         # repr() of an int past 4,300 digits raises ValueError (CPython's limit); say its size instead.
