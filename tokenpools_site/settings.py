@@ -34,7 +34,8 @@ if PRODUCTION:
 
 # The embedded key only exists so a fresh clone runs; production demands its own (checked above).
 SECRET_KEY = env_str("SECRET_KEY", "embedded-insecure-key-do-not-use-in-production")
-DEBUG = env_bool("DEBUG", not PRODUCTION)
+# Off unless asked for (DEBUG=1), embedded mode included: Django's debug pages show the settings to anyone.
+DEBUG = env_bool("DEBUG", False)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -62,6 +63,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # Before CommonMiddleware: /api/ paths are served with or without their trailing slash, for every method.
+    "tokenpools_site.middleware.ApiTrailingSlashMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
@@ -108,6 +111,9 @@ if REDIS_URL:
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# The largest manifest `apply` takes (REST body, or each file of the CLI), in bytes (apps.pools.manifests.limits).
+MANIFEST_MAX_BYTES = env_int("MANIFEST_MAX_BYTES", 1_048_576, at_least=1)
 
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "memory://")
 CELERY_RESULT_BACKEND = None

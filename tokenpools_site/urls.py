@@ -6,7 +6,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import include, path
-from django.views.defaults import page_not_found
+from django.views.defaults import page_not_found, server_error
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 urlpatterns = [
@@ -22,10 +22,22 @@ urlpatterns = [
 
 def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
     """404 for a URL no route matches: the REST API's JSON shape under /api/ (an id that is not a number, a
-    mistyped path), the HTML page elsewhere. (With DEBUG on, Django shows its own page instead.)"""
+    mistyped path), the HTML page elsewhere. (Under /api/, ApiTrailingSlashMiddleware answers such a path
+    first, with the same JSON, so that DEBUG on changes nothing there.)"""
     if request.path.startswith("/api/"):
         return JsonResponse({"detail": "Not found."}, status=404)
     return page_not_found(request, exception)
 
 
 handler404 = not_found
+
+
+def server_failed(request: HttpRequest) -> HttpResponse:
+    """500 (with DEBUG off; with DEBUG on Django shows its debug page): JSON under /api/, else Django's page.
+    Neither shows anything of the request or the settings."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": "Server error."}, status=500)
+    return server_error(request)
+
+
+handler500 = server_failed

@@ -23,8 +23,11 @@ from rest_framework.views import APIView
 
 from apps.pools import selectors, services
 from apps.pools.manifests import ManifestError, manifests_apply, manifests_export
+from apps.pools.manifests.limits import too_large
 from apps.pools.models import SERVICE_CLASS_CHOICES, EntitlementState, TokenEntitlement, TokenPool
 from apps.pools.serializers import (
+    APPLY_REQUEST_SCHEMAS,
+    EXPORT_RESPONSE_SCHEMA,
     ApplyErrorsSerializer,
     ApplyReportSerializer,
     ApplyRequestSerializer,
@@ -188,20 +191,30 @@ class ApplyView(APIView):
     """``POST /api/v1/apply``: apply TokenPool/TokenEntitlement manifests (idempotent).
 
     Body: YAML (``application/yaml``, ``text/plain``), a multipart ``file`` upload, a JSON list of
-    documents, or JSON ``{"manifest": "<yaml>"}`` or ``{"documents": [...]}``. All documents are validated before anything is written. 200 with what was
-    created/updated/unchanged; 400 ``{"errors": [{index, kind, name, field, message}]}`` for bad input;
-    403 when a document needs rights the user lacks (pools: superusers; entitlements: tenant owners).
+    documents, or JSON ``{"manifest": "<yaml>"}`` or ``{"documents": [...]}`` (exactly one of the two). All
+    documents are validated before anything is written. 200 with what was created/updated/unchanged; 400
+    ``{"errors": [{index, kind, name, field, message}]}`` for bad input (YAML aliases, nesting past 32
+    levels included); 403 when a document needs rights the user lacks (pools: superusers; entitlements:
+    tenant owners); 413 for a body larger than ``MANIFEST_MAX_BYTES``, refused before it is read.
     """
 
     parser_classes = [JSONParser, YAMLTextParser, XYAMLTextParser, TextYAMLParser, PlainTextParser, FormParser,
                       MultiPartParser]
 
-    @extend_schema(request=ApplyRequestSerializer, responses={
+    @extend_schema(request=APPLY_REQUEST_SCHEMAS, responses={
         200: OpenApiResponse(ApplyReportSerializer, description="what was created, updated or unchanged"),
         400: OpenApiResponse(ApplyErrorsSerializer, description="bad input: nothing was written"),
         403: OpenApiResponse(ApplyErrorsSerializer, description="a document needs rights the user lacks"),
+        413: OpenApiResponse(ApplyErrorsSerializer, description="the body is larger than MANIFEST_MAX_BYTES"),
     })
     def post(self, request: Request) -> Response:
+        try:
+            size = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            size = 0
+        problem = too_large(size)  # before the body is read: its parsers hold all of it in memory
+        if problem:
+            return Response({"errors": [_body_issue(problem)]}, status=413)
         body = request.data
         upload = request.FILES.get("file") if hasattr(request, "FILES") else None
         if upload is not None:  # curl -F file=@manifest.yaml
@@ -231,7 +244,8 @@ class ExportView(APIView):
     """``GET /api/v1/export``: the pools and entitlements the user may see, as manifests ``apply`` accepts."""
 
     @extend_schema(parameters=[OpenApiParameter("tenant", str, description="only this tenant (slug)")],
-                   responses={(200, "application/yaml"): OpenApiResponse(description="multi-document YAML"),
+                   responses={(200, "application/yaml"): OpenApiResponse(EXPORT_RESPONSE_SCHEMA,
+                                                                         description="multi-document YAML"),
                               404: NOT_FOUND})
     def get(self, request: Request) -> HttpResponse:
         tenant = None

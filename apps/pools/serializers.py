@@ -8,6 +8,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from apps.gateway.quotas import entitlement_quota_status
+from apps.pools.manifests.reader import API_VERSION, KINDS
 from apps.pools.models import (
     SERVICE_CLASS_CHOICES,
     SERVICE_CLASS_HELP,
@@ -177,7 +178,48 @@ class ApplyRequestSerializer(serializers.Serializer):
     """JSON form of an apply request; raw YAML bodies (application/yaml, text/plain) are accepted too."""
 
     manifest = serializers.CharField(required=False, help_text="multi-document YAML text")
-    documents = serializers.ListField(child=serializers.DictField(), required=False)
+    documents = serializers.ListField(child=serializers.DictField(), required=False, allow_empty=False)
+
+
+# The apply request as the schema states it: exactly one of `manifest` (YAML text) or `documents` (a non-empty
+# list), or the list itself, or a YAML body, or a multipart `file` upload. (Raw schemas: a serializer cannot
+# say "exactly one of".)
+_DOCUMENT = {"type": "object", "additionalProperties": {}, "description": "one manifest document (a mapping)"}
+_MANIFEST_TEXT = {"type": "string", "minLength": 1, "description": "multi-document YAML text"}
+_DOCUMENTS = {"type": "array", "items": _DOCUMENT, "minItems": 1}
+APPLY_REQUEST_SCHEMAS: dict[str, Any] = {
+    "application/json": {"oneOf": [
+        {"type": "object", "properties": {"manifest": _MANIFEST_TEXT}, "required": ["manifest"],
+         "not": {"required": ["documents"]}},
+        {"type": "object", "properties": {"documents": _DOCUMENTS}, "required": ["documents"],
+         "not": {"required": ["manifest"]}},
+        _DOCUMENTS,
+    ]},
+    **{media: {"type": "string", "description": "multi-document YAML"}
+       for media in ("application/yaml", "application/x-yaml", "text/yaml", "text/plain")},
+    "application/x-www-form-urlencoded": {"type": "object", "properties": {"manifest": _MANIFEST_TEXT},
+                                          "required": ["manifest"]},
+    "multipart/form-data": {"type": "object", "properties": {
+        "file": {"type": "string", "format": "binary", "description": "a YAML file"}, "manifest": _MANIFEST_TEXT}},
+}
+
+
+# GET /api/v1/export: a multi-document YAML stream; as data (read with a multi-document loader, e.g.
+# yaml.safe_load_all) the list of its documents, each one that `apply` accepts.
+EXPORT_RESPONSE_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "description": "multi-document YAML (`---` between documents); as data, the list of its documents",
+    "items": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"type": "string", "enum": [API_VERSION]},
+            "kind": {"type": "string", "enum": list(KINDS)},
+            "metadata": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+            "spec": {"type": "object", "additionalProperties": {}},
+        },
+    },
+}
 
 
 class ManifestIssueSerializer(serializers.Serializer):

@@ -117,28 +117,41 @@ class UtcIsoDateTimeFilter(django_filters.IsoDateTimeFilter):
 NUL_MESSAGE = "text may not contain NUL characters (U+0000)"
 
 
+# Deeper than any body of this API (a manifest document nests 32 deep at most, apps.pools.manifests.limits).
+MAX_BODY_DEPTH = 64
+
+
 def reject_nul(data: Any) -> None:
-    """Raise ParseError (400) if any text in a parsed body holds a NUL character.
+    """Raise ParseError (400) if any text in a parsed body holds a NUL character, or it nests deeper than
+    ``MAX_BODY_DEPTH``.
 
     PostgreSQL cannot store or even compare text with NUL, so a lookup by such a name (a slug field naming a
-    tenant, a username) would be a 500 there and a plain miss on SQLite; no valid input contains one.
+    tenant, a username) would be a 500 there and a plain miss on SQLite; no valid input contains one. The walk
+    is iterative, and the depth bound keeps every later recursive walk of the body within Python's limit.
     """
-    if isinstance(data, str):
-        if "\x00" in data:
-            raise ParseError(NUL_MESSAGE)
-    elif isinstance(data, Mapping):
-        for key, value in (data.lists() if hasattr(data, "lists") else data.items()):
-            reject_nul(key)
-            reject_nul(value)
-    elif isinstance(data, list | tuple):
-        for item in data:
-            reject_nul(item)
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise ParseError(f"the body is nested deeper than {MAX_BODY_DEPTH} levels")
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise ParseError(NUL_MESSAGE)
+        elif isinstance(item, Mapping):
+            for key, value in (item.lists() if hasattr(item, "lists") else item.items()):
+                stack.append((key, depth + 1))
+                stack.append((value, depth + 1))
+        elif isinstance(item, list | tuple):
+            stack.extend((child, depth + 1) for child in item)
 
 
 class JSONParser(parsers.JSONParser):
     def parse(self, stream: IO[Any], media_type: str | None = None,
               parser_context: Mapping[str, Any] | None = None) -> Any:
-        data = super().parse(stream, media_type, parser_context)
+        try:
+            data = super().parse(stream, media_type, parser_context)
+        except RecursionError as exc:  # json's decoder gives up past Python's recursion limit: a 500 otherwise
+            raise ParseError(f"the body is nested deeper than {MAX_BODY_DEPTH} levels") from exc
         reject_nul(data)
         return data
 

@@ -17,12 +17,14 @@ for it, and undeclared methods answered 405.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import schemathesis
+import yaml
 from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
@@ -30,6 +32,7 @@ from django.utils import timezone
 from hypothesis import HealthCheck, settings
 from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error
+from schemathesis.core import media_types
 from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -71,6 +74,13 @@ def invalid_parameters_rejected(ctx: Any, response: Any, case: schemathesis.Case
     return negative_data_rejection(ctx, response, case)
 
 
+@schemathesis.deserializer(*media_types.YAML_MEDIA_TYPES)
+def yaml_stream(ctx: Any, response: Any) -> list[Any]:
+    """``GET /api/v1/export`` answers a multi-document YAML stream, which its schema states as the list of its
+    documents; schemathesis' own YAML reader takes a single document."""
+    return list(yaml.safe_load_all(response.content.decode(response.encoding or "utf-8")))
+
+
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, invalid_parameters_rejected, ignored_auth, unsupported_method]
 
@@ -108,6 +118,18 @@ def aim_at_known_objects(case: schemathesis.Case) -> None:
                 chosen = _pick(body[field], choices)
                 body[field] = body[field] if chosen is None else chosen
         case.body = body
+
+
+# Cases called, by operation and status class ("failed": a check failed): printed at the end of the module (run with -s to see it).
+CALLED: Counter[tuple[str, str]] = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_case_count() -> Iterator[None]:
+    yield
+    statuses = Counter(status for (_, status), n in CALLED.items() for _ in range(n))
+    operations = len({label for label, _ in CALLED})
+    print(f"\nschemathesis: {sum(CALLED.values())} cases on {operations} operations, by status {dict(statuses)}")
 
 
 @pytest.fixture(autouse=True)
@@ -167,4 +189,9 @@ def token(persona: str, world: None, admin: Any, owner: Any) -> str:
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_api_conforms_to_its_schema(case: schemathesis.Case, token: str, persona: str) -> None:
     aim_at_known_objects(case)
-    case.call_and_validate(headers={"Authorization": f"Token {token}"}, checks=CHECKS)
+    outcome = "failed"
+    try:
+        response = case.call_and_validate(headers={"Authorization": f"Token {token}"}, checks=CHECKS)
+        outcome = f"{response.status_code // 100}xx"
+    finally:
+        CALLED[(case.operation.label, outcome)] += 1

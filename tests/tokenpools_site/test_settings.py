@@ -53,8 +53,9 @@ SECRETS = ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "DEPLOYMENT")
 
 
 def test_embedded_default_uses_sqlite_memory_state_and_memory_layer() -> None:
-    result = _load_settings({}, drop=SECRETS)
+    result = _load_settings({}, drop=(*SECRETS, "DEBUG"))
     assert result.returncode == 0, result.stderr
+    assert '"debug": false' in result.stdout  # debug pages show the settings: only on when DEBUG=1 asks
     assert '"engine": "django.db.backends.sqlite3"' in result.stdout
     assert '"state": "memory"' in result.stdout
     assert "InMemoryChannelLayer" in result.stdout

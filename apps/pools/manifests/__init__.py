@@ -20,6 +20,10 @@ Applying validates every document first and writes nothing if any is wrong (erro
 index, kind, name and field); then all documents are written in one transaction, tenants before pools
 before entitlements, in any document order. Applying is idempotent: each document is reported created, updated or unchanged. A pool's
 replica list is declarative (replicas missing from the document are removed).
+
+Input is bounded (``apps.pools.manifests.limits``): ``MANIFEST_MAX_BYTES`` per manifest, 32 levels of nesting,
+200,000 values, no YAML aliases (refused before anything is expanded); errors quote values as 80-character
+excerpts and list at most 100 problems.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.pools.manifests.kinds import read_entitlement, read_pool, read_tenant
+from apps.pools.manifests.limits import excerpt, structure_problem
 from apps.pools.manifests.reader import (
     API_VERSION,
     ENTITLEMENT_PATHS,
@@ -65,15 +66,15 @@ def _read_documents(documents: list[Any], actor: Any, errors: Collector) -> dict
         metadata = doc.get("metadata")
         name: str = metadata["name"] if isinstance(metadata, Mapping) and isinstance(metadata.get("name"), str) else ""
         if doc.get("apiVersion") != API_VERSION:
-            errors.add(index, kind, name, "apiVersion", f"must be {API_VERSION!r}, got {doc.get('apiVersion')!r}")
+            errors.add(index, kind, name, "apiVersion", f"must be {API_VERSION!r}, got {excerpt(doc.get('apiVersion'))}")
         if kind not in KINDS:
-            errors.add(index, kind, name, "kind", f"must be one of {', '.join(KINDS)}, got {doc.get('kind')!r}")
+            errors.add(index, kind, name, "kind", f"must be one of {', '.join(KINDS)}, got {excerpt(doc.get('kind'))}")
             continue
         if not name:
             errors.add(index, kind, name, "metadata.name", "is required")
             continue
         if (kind, name) in seen:
-            errors.add(index, kind, name, "metadata.name", f"duplicate {kind} {name!r} in this manifest")
+            errors.add(index, kind, name, "metadata.name", f"duplicate {kind} {excerpt(name)} in this manifest")
             continue
         seen.add((kind, name))
         if not isinstance(doc.get("spec"), Mapping):
@@ -120,7 +121,7 @@ def _validate_entitlements(entitlements: list[Plan], tenants: list[Plan], pools:
         if tenant is None and slug in declared:  # created by this manifest (a superuser's: validated above)
             tenant = Tenant(slug=slug, name=declared[slug].values["name"])
         if tenant is None:
-            errors.add(plan.index, plan.kind, plan.name, "spec.tenantId", f"unknown tenant {slug!r}")
+            errors.add(plan.index, plan.kind, plan.name, "spec.tenantId", f"unknown tenant {excerpt(slug)}")
             continue
         if tenant.pk is not None and user_role(user=actor, tenant=tenant) != "owner":
             errors.add(plan.index, plan.kind, plan.name, "", f"only owners of tenant {tenant.slug!r} may manage its "
@@ -133,7 +134,7 @@ def _validate_entitlements(entitlements: list[Plan], tenants: list[Plan], pools:
             continue
         pool = TokenPool.objects.filter(name=v["pool_name"]).first()
         if pool is None and v["pool_name"] not in pool_names_in_file:
-            errors.add(plan.index, plan.kind, plan.name, "spec.poolRef.name", f"unknown pool {v['pool_name']!r}")
+            errors.add(plan.index, plan.kind, plan.name, "spec.poolRef.name", f"unknown pool {excerpt(v['pool_name'])}")
             continue
         plan.existing = existing
         plan.values = {"tenant_slug": slug, "pool_name": v["pool_name"],
@@ -238,6 +239,11 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
         documents = manifests_parse(documents)
     if not isinstance(documents, list):
         raise ManifestError([ManifestIssue(None, "", "", "", "expected a list of documents")])
+    if not documents:  # as for YAML text with no document in it: applying nothing is a mistake, not a success
+        raise ManifestError([ManifestIssue(None, "", "", "", "no documents found")])
+    problem = structure_problem(documents)  # documents given as data (JSON) meet the bounds YAML's loader sets
+    if problem is not None:
+        raise ManifestError([ManifestIssue(problem[0], "", "", "", problem[1])])
     now = now or timezone.now()
     result = ApplyResult()
     try:

@@ -8,6 +8,7 @@ from django.core.exceptions import ValidationError
 
 from apps.policy import ServiceClass
 from apps.policy.quota import QUOTA_WINDOWS
+from apps.pools.manifests.limits import excerpt
 from apps.pools.manifests.reader import Reader, model_errors
 from apps.pools.models import BackendKind
 from apps.pools.services import _clean_replicas
@@ -24,7 +25,7 @@ def read_quota(r: Reader) -> dict[str, Any]:
     amount = r.decimal("spec.quota.amount", required=False, places=4)
     window = r.string("spec.quota.window")
     if window is not None and window not in QUOTA_WINDOWS:
-        r._fail("spec.quota.window", f"unknown window {window!r}; one of {', '.join(QUOTA_WINDOWS)}")
+        r._fail("spec.quota.window", f"unknown window {excerpt(window)}; one of {', '.join(QUOTA_WINDOWS)}")
     if r.get("spec.quota.tokens") is None and r.get("spec.quota.amount") is None:
         r._fail("spec.quota", "needs tokens, or an amount and a currency")
     return {"quota_tokens": tokens, "quota_amount": amount,
@@ -58,10 +59,10 @@ def read_tenant(r: Reader) -> dict[str, Any]:
                     continue
                 role = item.get("role", "member")
                 if role not in Role.values:
-                    r._fail(f"{where}.role", f"unknown role {role!r}; one of {', '.join(Role.values)}")
+                    r._fail(f"{where}.role", f"unknown role {excerpt(role)}; one of {', '.join(Role.values)}")
                     continue
                 if any(m["user"] == item["user"] for m in members):
-                    r._fail(f"{where}.user", f"user {item['user']!r} is listed twice")
+                    r._fail(f"{where}.user", f"user {excerpt(item['user'])} is listed twice")
                     continue
                 members.append({"user": item["user"], "role": role})
     return {"name": r.string("spec.displayName", required=False, default=r.name) or r.name,
@@ -71,7 +72,7 @@ def read_tenant(r: Reader) -> dict[str, Any]:
 def read_pool(r: Reader) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     backend_kind = r.string("spec.backend.kind", required=False, default=str(BackendKind.VLLM))
     if backend_kind is not None and backend_kind not in BackendKind.values:
-        r._fail("spec.backend.kind", f"unknown backend kind {backend_kind!r}; one of {', '.join(BackendKind.values)}")
+        r._fail("spec.backend.kind", f"unknown backend kind {excerpt(backend_kind)}; one of {', '.join(BackendKind.values)}")
     raw_replicas = r.get("spec.backend.replicas", [])
     replicas: list[dict[str, Any]] = []
     if not isinstance(raw_replicas, list):
@@ -104,7 +105,7 @@ def read_entitlement(r: Reader) -> dict[str, Any]:
     service_class = r.string("spec.qos.serviceClass")
     known = [str(cls) for cls in ServiceClass]
     if service_class is not None and service_class not in known:
-        r._fail("spec.qos.serviceClass", f"unknown service class {service_class!r}; one of {', '.join(known)}")
+        r._fail("spec.qos.serviceClass", f"unknown service class {excerpt(service_class)}; one of {', '.join(known)}")
     return {
         "tenant_slug": r.string("spec.tenantId"),
         "pool_name": r.string("spec.poolRef.name"),

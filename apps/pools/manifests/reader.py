@@ -14,6 +14,8 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from apps.pools.manifests.limits import MAX_ISSUES, ManifestLimitError, excerpt, load_all, short, too_large
+
 API_VERSION = "tokenpools.io/v1alpha1"
 KINDS = ("Tenant", "TokenPool", "TokenEntitlement")
 
@@ -186,19 +188,33 @@ class Collector:
         self.forbidden = False
 
     def add(self, index: int | None, kind: str, name: str, path: str, message: str, forbidden: bool = False) -> None:
-        self.issues.append(ManifestIssue(index, kind, name, path, message))
         self.forbidden = self.forbidden or forbidden
+        # Kinds, names and field paths are the author's text: quoted short; past MAX_ISSUES only counted.
+        if len(self.issues) < MAX_ISSUES:
+            self.issues.append(ManifestIssue(index, short(kind), short(name), short(path), message))
+        elif len(self.issues) == MAX_ISSUES:
+            self.issues.append(ManifestIssue(None, "", "", "", "more problems left out"))
 
 
 # --- parsing -----------------------------------------------------------------------------------------
 
 
 def manifests_parse(text: str) -> list[Any]:
-    """YAML text (one or more ``---`` separated documents) -> list of documents; empty documents dropped."""
+    """YAML text (one or more ``---`` separated documents) -> list of documents; empty documents dropped.
+
+    Bounded (``apps.pools.manifests.limits``): size, depth and node count; YAML aliases are refused."""
+    problem = too_large(len(text.encode("utf-8", "surrogatepass")))
+    if problem:
+        raise ManifestError([ManifestIssue(None, "", "", "", problem)])
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in load_all(text) if d is not None]
+    except ManifestLimitError as exc:
+        raise ManifestError([ManifestIssue(exc.index, "", "", "", exc.message)]) from exc
     except yaml.YAMLError as exc:
-        raise ManifestError([ManifestIssue(None, "", "", "", f"malformed YAML: {exc}")]) from exc
+        # PyYAML's messages quote a snippet of one line (~75 characters) at most; the cut is a backstop.
+        raise ManifestError([ManifestIssue(None, "", "", "", short(f"malformed YAML: {exc}", 1000))]) from exc
+    except (ValueError, OverflowError) as exc:  # a value YAML's constructors cannot build: 2024-13-45, 10**5000
+        raise ManifestError([ManifestIssue(None, "", "", "", short(f"malformed YAML: {exc}", 200))]) from exc
     if not docs:
         raise ManifestError([ManifestIssue(None, "", "", "", "no documents found")])
     return docs
@@ -234,7 +250,7 @@ class Reader:
         value = self.get(path, default, required)
         if value is None or isinstance(value, str):
             return value
-        self._fail(path, f"must be a string, got {value!r}")
+        self._fail(path, f"must be a string, got {excerpt(value)}")
         return None
 
     def integer(self, path: str, required: bool = True, default: int | None = None,
@@ -243,7 +259,7 @@ class Reader:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            self._fail(path, f"must be an integer, got {value!r}")
+            self._fail(path, f"must be an integer, got {excerpt(value)}")
             return None
         if value < minimum:
             self._fail(path, f"must be positive, got {value}" if minimum == 1 else f"must be at least {minimum}, got {value}")
@@ -255,17 +271,22 @@ class Reader:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float | str):
-            self._fail(path, f"must be a number, got {value!r}")
+            self._fail(path, f"must be a number, got {excerpt(value)}")
             return None
         try:
             number = Decimal(str(value))
         except InvalidOperation:
-            self._fail(path, f"must be a number, got {value!r}")
+            self._fail(path, f"must be a number, got {excerpt(value)}")
             return None
         if not number.is_finite() or number < 0 or (number == 0 and not allow_zero):
-            self._fail(path, f"must be {'zero or more' if allow_zero else 'positive'}, got {value}")
+            self._fail(path, f"must be {'zero or more' if allow_zero else 'positive'}, got {short(str(value))}")
             return None
-        if number != number.quantize(Decimal(1).scaleb(-places)):
+        try:
+            exact = number == number.quantize(Decimal(1).scaleb(-places))
+        except InvalidOperation:  # too many digits to quantize (1e999999): no column holds it either
+            self._fail(path, f"is out of range, got {short(str(value))}")
+            return None
+        if not exact:
             self._fail(path, f"at most {places} decimal places")
             return None
         return number
@@ -284,7 +305,7 @@ class Reader:
         else:
             parsed = None
         if parsed is None:
-            self._fail(path, f"must be an ISO 8601 date-time, got {value!r}")
+            self._fail(path, f"must be an ISO 8601 date-time, got {excerpt(value)}")
             return None
         if timezone.is_naive(parsed):
             parsed = timezone.make_aware(parsed, dt.UTC)

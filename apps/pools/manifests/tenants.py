@@ -19,6 +19,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 
+from apps.pools.manifests.limits import excerpt
 from apps.pools.manifests.reader import API_VERSION, TENANT_PATHS, Collector, Plan, model_errors
 from apps.tenancy import services as tenancy_services
 from apps.tenancy.models import Membership, Tenant
@@ -50,7 +51,7 @@ def validate_tenants(plans: list[Plan], actor: Any, errors: Collector) -> None:
                            "tenants", True)
                 continue
             if user_role(user=actor, tenant=existing) != "owner":
-                errors.add(plan.index, plan.kind, plan.name, "", f"only owners of tenant {plan.name!r} may apply "
+                errors.add(plan.index, plan.kind, plan.name, "", f"only owners of tenant {excerpt(plan.name)} may apply "
                            "its document", True)
                 continue
             if tenant_settings(existing) != settings:
@@ -62,7 +63,7 @@ def validate_tenants(plans: list[Plan], actor: Any, errors: Collector) -> None:
             user = users.filter(**{users.model.USERNAME_FIELD: member["user"]}).first()
             if user is None:
                 errors.add(plan.index, plan.kind, plan.name, f"spec.members[{index}].user",
-                           f"unknown user {member['user']!r}")
+                           f"unknown user {excerpt(member['user'])}")
             member["user_obj"] = user
         candidate = Tenant(pk=existing.pk if existing else None, slug=plan.name, **settings)
         try:

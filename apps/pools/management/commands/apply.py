@@ -1,7 +1,8 @@
 """``python manage.py apply -f FILE.yaml [-f MORE.yaml] [--as USER]``: apply TokenPool/TokenEntitlement manifests.
 
 All documents of all files are validated first and written in one transaction; on any error nothing is
-written, the errors go to stderr and the exit code is non-zero. ``-f -`` reads standard input.
+written, the errors go to stderr and the exit code is non-zero. ``-f -`` reads standard input. Each file is
+bounded like a REST body (``MANIFEST_MAX_BYTES``; YAML aliases and deep nesting refused).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from apps.pools.management.commands._actor import resolve_actor
 from apps.pools.manifests import ManifestError, manifests_apply, manifests_parse
+from apps.pools.manifests.limits import max_bytes
 
 
 class Command(BaseCommand):
@@ -27,10 +29,7 @@ class Command(BaseCommand):
         documents: list[Any] = []
         origins: list[str] = []  # per document: "FILE, document N" so errors point into the right file
         for filename in options["filename"]:
-            try:
-                text = sys.stdin.read() if filename == "-" else open(filename, encoding="utf-8").read()  # noqa: SIM115
-            except OSError as exc:
-                raise CommandError(f"cannot read {filename}: {exc.strerror}") from exc
+            text = _read(filename)
             try:
                 parsed = manifests_parse(text)
             except ManifestError as exc:
@@ -50,3 +49,23 @@ class Command(BaseCommand):
             self.stdout.write(f"{doc.kind}/{doc.name} {doc.action}")
         summary = result.summary()
         self.stderr.write(", ".join(f"{n} {a}" for a, n in summary.items()))
+
+
+def _read(filename: str) -> str:
+    """The file's text, read no further than one byte past the limit (a huge file is refused, not loaded)."""
+    limit = max_bytes()
+    try:
+        if filename == "-":  # a text stream without a buffer (a test's StringIO) is read as text
+            stdin = getattr(sys.stdin, "buffer", None)
+            raw = stdin.read(limit + 1) if stdin is not None else sys.stdin.read(limit + 1).encode()
+        else:
+            with open(filename, "rb") as handle:
+                raw = handle.read(limit + 1)
+    except OSError as exc:
+        raise CommandError(f"cannot read {filename}: {exc.strerror}") from exc
+    if len(raw) > limit:
+        raise CommandError(f"{filename}: larger than the limit of {limit} bytes (MANIFEST_MAX_BYTES)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CommandError(f"{filename}: not UTF-8 text") from exc
