@@ -51,3 +51,12 @@ def memory_control(settings: Any) -> Iterator[Any]:
     loops.reset_control_state(state)
     yield state
     loops.reset_control_state(None)
+
+
+@pytest.fixture
+def metrics_token(settings: Any) -> str:
+    """In-process gateways require this bearer on /metrics (tests.support.metrics.scrape sends it)."""
+    from tests.support.metrics import METRICS_TOKEN
+
+    settings.METRICS_TOKEN = METRICS_TOKEN
+    return METRICS_TOKEN

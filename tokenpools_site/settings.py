@@ -145,6 +145,13 @@ if GATEWAY_LEASE_RENEW_S >= GATEWAY_LEASE_S:
         f"GATEWAY_LEASE_RENEW_S ({GATEWAY_LEASE_RENEW_S:g}) must be below GATEWAY_LEASE_S ({GATEWAY_LEASE_S:g})"
     )
 
+# --- who may read what (apps/gateway/metrics_access.py, apps/tenancy/lockout.py, serve) ------------------
+
+# /metrics: with a token, `Authorization: Bearer <METRICS_TOKEN>` is required; without one production refuses
+# to serve it and the embedded mode serves it without tenant-identifying labels unless METRICS_ANONYMOUS_LABELS.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+METRICS_ANONYMOUS_LABELS = env_bool("METRICS_ANONYMOUS_LABELS", False)
+
 # --- periodic ticks (workers.ticks) ---------------------------------------------------------------------
 
 # 'auto': Celery when a real broker is configured, else inside the server; or forced: celery, in-process, off.
