@@ -174,6 +174,8 @@ if _unknown_ticks:
 TOKENPOOLS_SCRAPE_TIMEOUT_S = env_float("TOKENPOOLS_SCRAPE_TIMEOUT_S", 1.0, above=0)
 # The live dashboard's own sampler in each server process; off when Celery publishes the samples.
 DASHBOARD_LOCAL_SAMPLER = env_bool("DASHBOARD_LOCAL_SAMPLER", True)
+# How often a live-dashboard websocket re-checks that its user may still see what it streams (closed 4403).
+DASHBOARD_ACCESS_RECHECK_S = env_float("DASHBOARD_ACCESS_RECHECK_S", 2.0, above=0)
 
 # --- demo commands (seed_demo, demo_up, loadgen, demo_screenshot) ----------------------------------------
 
