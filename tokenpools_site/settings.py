@@ -170,7 +170,7 @@ CACHES = {
 # connecting or of its request's first byte (idle and slowloris connections are closed); an idle keep-alive
 # connection is closed after SERVER_KEEPALIVE_TIMEOUT_S.
 SERVER_HEADER_TIMEOUT_S = env_float("SERVER_HEADER_TIMEOUT_S", 10.0, above=0)
-SERVER_KEEPALIVE_TIMEOUT_S = env_float("SERVER_KEEPALIVE_TIMEOUT_S", 5.0, above=0)
+SERVER_KEEPALIVE_TIMEOUT_S = env_int("SERVER_KEEPALIVE_TIMEOUT_S", 5, at_least=1)
 
 # --- periodic ticks (workers.ticks) ---------------------------------------------------------------------
 
