@@ -284,8 +284,9 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
                                 horizon_s=horizon, on_join=join, on_leave=leave)
 
         async def both() -> list[LiveRecord]:
-            helpers = [asyncio.ensure_future(sample_metrics(url, horizon, samples if samples is not None else [],
-                                                    token=site.env.get("METRICS_TOKEN", "")))]
+            sampled = sample_metrics(url, horizon, samples if samples is not None else [],
+                                     token=site.env.get("METRICS_TOKEN", ""))
+            helpers = [asyncio.ensure_future(sampled)]
             if config.capacity_events:
                 helpers.append(asyncio.ensure_future(operate_capacity(
                     url, token, backend, list(config.capacity_events), per_replica, time.monotonic())))
