@@ -51,3 +51,20 @@ def memory_control(settings: Any) -> Iterator[Any]:
     loops.reset_control_state(state)
     yield state
     loops.reset_control_state(None)
+
+
+@pytest.fixture
+def metrics_token(settings: Any) -> str:
+    """In-process gateways require this bearer on /metrics (tests.support.metrics.scrape sends it)."""
+    from tests.support.metrics import METRICS_TOKEN
+
+    settings.METRICS_TOKEN = METRICS_TOKEN
+    return METRICS_TOKEN
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(settings: Any, request: pytest.FixtureRequest) -> None:
+    """Each test its own empty in-memory cache: the sign-in lockout's counts (apps/tenancy/lockout.py) from one
+    test's failed passwords must not lock the next test out, and a Redis in REDIS_URL is never flushed."""
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                                   "LOCATION": f"test-{request.node.nodeid}"}}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from django.urls import path
-from rest_framework.authtoken.views import ObtainAuthToken
 from rest_framework.routers import DefaultRouter
 
 from apps.gateway.api import UsageRecordViewSet
@@ -11,6 +10,7 @@ from apps.operations.api import ApiKeyViewSet, TenantViewSet
 from apps.pools.api import ApplyView, EntitlementViewSet, ExportView, PoolViewSet
 from apps.tenancy.api import MembershipViewSet, UserViewSet
 from apps.tenancy.apiutils import FormParser, JSONParser, MultiPartParser
+from apps.tenancy.signin import LockoutObtainAuthToken
 
 router = DefaultRouter()
 router.register("tenants", TenantViewSet, basename="tenant")
@@ -25,8 +25,9 @@ urlpatterns = [
     path("apply", ApplyView.as_view(), name="apply"),
     path("export", ExportView.as_view(), name="export"),
     # Scripts trade a username and password for their API token here (POST username, password).
-    # DRF's view names its own parsers; these also refuse NUL characters (a username is looked up).
-    path("auth/token", ObtainAuthToken.as_view(parser_classes=[FormParser, MultiPartParser, JSONParser]),
+    # DRF's view names its own parsers; these also refuse NUL characters (a username is looked up). Failed
+    # passwords are counted and lock out (429 with Retry-After; apps/tenancy/lockout.py).
+    path("auth/token", LockoutObtainAuthToken.as_view(parser_classes=[FormParser, MultiPartParser, JSONParser]),
          name="auth-token"),
     *router.urls,
 ]

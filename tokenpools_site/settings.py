@@ -154,6 +154,33 @@ if GATEWAY_LEASE_RENEW_S >= GATEWAY_LEASE_S:
         f"GATEWAY_LEASE_RENEW_S ({GATEWAY_LEASE_RENEW_S:g}) must be below GATEWAY_LEASE_S ({GATEWAY_LEASE_S:g})"
     )
 
+# --- who may read what (apps/gateway/metrics_access.py, apps/tenancy/lockout.py, serve) ------------------
+
+# /metrics: with a token, `Authorization: Bearer <METRICS_TOKEN>` is required; without one production refuses
+# to serve it and the embedded mode serves it without tenant-identifying labels unless METRICS_ANONYMOUS_LABELS.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+METRICS_ANONYMOUS_LABELS = env_bool("METRICS_ANONYMOUS_LABELS", False)
+
+# Sign-in by password (login pages, /api/v1/auth/token): LOGIN_FAILURE_LIMIT failures within LOGIN_FAILURE_WINDOW_S
+# for one username or from one address lock it for LOGIN_LOCKOUT_S (the right password refused too).
+LOGIN_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 10, at_least=1)
+LOGIN_FAILURE_WINDOW_S = env_float("LOGIN_FAILURE_WINDOW_S", 300.0, above=0)
+LOGIN_LOCKOUT_S = env_float("LOGIN_LOCKOUT_S", 300.0, above=0)
+
+# The lockout's counts: shared by every server process through Redis when there is one (`serve --workers N`
+# needs REDIS_URL), else in the one process's memory.
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                "KEY_PREFIX": "tokenpools"}
+    if REDIS_URL else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+}
+
+# The ASGI server (`serve`): a connection must complete its request's headers within SERVER_HEADER_TIMEOUT_S of
+# connecting or of its request's first byte (idle and slowloris connections are closed); an idle keep-alive
+# connection is closed after SERVER_KEEPALIVE_TIMEOUT_S.
+SERVER_HEADER_TIMEOUT_S = env_float("SERVER_HEADER_TIMEOUT_S", 10.0, above=0)
+SERVER_KEEPALIVE_TIMEOUT_S = env_int("SERVER_KEEPALIVE_TIMEOUT_S", 5, at_least=1)
+
 # --- periodic ticks (workers.ticks) ---------------------------------------------------------------------
 
 # 'auto': Celery when a real broker is configured, else inside the server; or forced: celery, in-process, off.
@@ -176,6 +203,8 @@ if _unknown_ticks:
 TOKENPOOLS_SCRAPE_TIMEOUT_S = env_float("TOKENPOOLS_SCRAPE_TIMEOUT_S", 1.0, above=0)
 # The live dashboard's own sampler in each server process; off when Celery publishes the samples.
 DASHBOARD_LOCAL_SAMPLER = env_bool("DASHBOARD_LOCAL_SAMPLER", True)
+# How often a live-dashboard websocket re-checks that its user may still see what it streams (closed 4403).
+DASHBOARD_ACCESS_RECHECK_S = env_float("DASHBOARD_ACCESS_RECHECK_S", 2.0, above=0)
 
 # --- demo commands (seed_demo, demo_up, loadgen, demo_screenshot) ----------------------------------------
 

@@ -9,8 +9,14 @@ from django.urls import include, path
 from django.views.defaults import page_not_found, server_error
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from apps.tenancy.signin import LockoutAdminAuthenticationForm, LockoutAuthenticationForm
+
+# Both login pages count failed passwords and lock out (apps/tenancy/lockout.py).
+admin.site.login_form = LockoutAdminAuthenticationForm
+
 urlpatterns = [
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", auth_views.LoginView.as_view(authentication_form=LockoutAuthenticationForm),
+         name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("django-admin/", admin.site.urls),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -5,14 +5,24 @@ refuse an anonymous socket (close 4401) and one for an object the user may not s
 404 of the pages), join the pool's group, send the recent history, then forward every sample of the
 pool cut down to what this user may see. The payloads come from the pure builders in
 apps.dashboard.figures; nothing here shapes a figure.
+
+Access is checked again every `DASHBOARD_ACCESS_RECHECK_S` seconds against the database (the user row
+reloaded: a deactivated login or a removed membership is not visible on the scope's cached user): a socket
+whose user may no longer see what it streams is closed with 4403, so losing access ends the stream within
+one period, not at the next page load.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.http import Http404
 
 from apps.dashboard import selectors
@@ -27,12 +37,25 @@ from apps.dashboard.telemetry import (
 )
 
 CLOSE_UNAUTHENTICATED = 4401
+CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
+
+logger = logging.getLogger(__name__)
+
+
+def narrowed(before: selectors.LiveAccess, now: selectors.LiveAccess) -> bool:
+    """Whether `now` withholds something `before` showed (another pool, pool totals, an entitlement).
+    A widening is not acted on: the page keeps the series it was given until it is reloaded."""
+    if before.pool != now.pool or (before.visibility.pool_totals and not now.visibility.pool_totals):
+        return True
+    old, new = before.visibility.entitlements, now.visibility.entitlements
+    return new is not None and (old is None or not old <= new)
 
 
 class _LiveConsumer(AsyncJsonWebsocketConsumer):
     access: selectors.LiveAccess | None = None
     group: str | None = None
+    recheck: asyncio.Task[None] | None = None
 
     def resolve(self, user: Any, name: str) -> selectors.LiveAccess:
         raise NotImplementedError
@@ -51,12 +74,39 @@ class _LiveConsumer(AsyncJsonWebsocketConsumer):
         self.group = pool_group(self.access.pool)
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
+        self.recheck = asyncio.ensure_future(self._recheck_access(user.pk, name))
         ensure_local_sampler()
         visibility = self.access.visibility
         history = samples_visible(await history_store().recent(self.access.pool), visibility)
         await self.send_json(live_payload_history(history, visibility.entitlements, ids=self.access.figure_ids))
 
+    def _access_now(self, user_id: int, name: str) -> selectors.LiveAccess | None:
+        user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+        if user is None:
+            return None
+        try:
+            return self.resolve(user, name)
+        except Http404:
+            return None
+
+    async def _recheck_access(self, user_id: int, name: str) -> None:
+        while self.access is not None:
+            await asyncio.sleep(settings.DASHBOARD_ACCESS_RECHECK_S)
+            try:
+                now = await database_sync_to_async(self._access_now)(user_id, name)
+            except Exception:  # the database away for a moment: keep the socket, try again next period
+                logger.exception("live dashboard access re-check failed")
+                continue
+            if now is None or narrowed(self.access, now):
+                self.access = None  # forward nothing more, even a sample already queued
+                await self.close(code=CLOSE_FORBIDDEN)
+                return
+
     async def disconnect(self, code: int) -> None:
+        if self.recheck is not None and self.recheck is not asyncio.current_task():
+            self.recheck.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.recheck
         if self.group is not None:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 

@@ -42,6 +42,7 @@ from apps.gateway.context import JSON_TYPE, ClientGone, RequestContext
 from apps.gateway.errors import GatewayError, unavailable
 from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.metrics_access import metrics_hidden_labels
 from apps.gateway.parse import (
     CHAT,
     COMPLETION,
@@ -236,7 +237,9 @@ class Gateway:
         if path == "/metrics":
             if method != "GET":
                 raise GatewayError(405, "method_not_allowed", "Use GET.")
-            await ctx.respond(200, self.metrics.render(), [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
+            hidden = metrics_hidden_labels(ctx.scope)  # 401 without the token where one is required
+            await ctx.respond(200, self.metrics.render(hidden),
+                              [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])
             return
         kind = PATHS.get(path.rstrip("/"))
         if kind is not None:

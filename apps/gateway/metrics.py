@@ -14,6 +14,21 @@ from apps.policy.aimd import DEFAULT_TTFT_BUCKETS_S
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 LabelValues = tuple[str, ...]
+NO_HIDDEN: frozenset[str] = frozenset()
+
+
+def _summed(names: Sequence[str], hidden: frozenset[str],
+            items: Iterable[tuple[LabelValues, list[float]]]) -> tuple[tuple[str, ...], dict[LabelValues, list[float]]]:
+    """The series with the `hidden` labels removed and the series that then coincide added up."""
+    if hidden.isdisjoint(names):
+        return tuple(names), dict(items)
+    keep = [i for i, name in enumerate(names) if name not in hidden]
+    merged: dict[LabelValues, list[float]] = {}
+    for labels, values in items:
+        key = tuple(labels[i] for i in keep)
+        total = merged.get(key)
+        merged[key] = list(values) if total is None else [a + b for a, b in zip(total, values, strict=True)]
+    return tuple(names[i] for i in keep), merged
 
 
 def _escape(value: str) -> str:
@@ -44,11 +59,12 @@ class Counter:
     def get(self, labels: LabelValues) -> float:
         return self.values.get(labels, 0.0)
 
-    def render(self) -> Iterable[str]:
+    def render(self, hidden: frozenset[str] = NO_HIDDEN) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} counter"
-        for labels, value in self.values.items():
-            yield f"{self.name}{_labels(self.label_names, labels)} {_number(value)}"
+        names, series = _summed(self.label_names, hidden, ((k, [v]) for k, v in self.values.items()))
+        for labels, (value,) in series.items():
+            yield f"{self.name}{_labels(names, labels)} {_number(value)}"
 
 
 class Histogram:
@@ -70,17 +86,18 @@ class Histogram:
         series = self.series.get(labels)
         return 0 if series is None else int(series[-1])
 
-    def render(self) -> Iterable[str]:
+    def render(self, hidden: frozenset[str] = NO_HIDDEN) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} histogram"
-        for labels, series in self.series.items():
+        names, merged = _summed(self.label_names, hidden, self.series.items())
+        for labels, series in merged.items():
             cumulative = 0.0
             for bound, count in zip((*self.buckets, float("inf")), series[: len(self.buckets) + 1], strict=True):
                 cumulative += count
                 extra = f'le="{_number(bound)}"'
-                yield f"{self.name}_bucket{_labels(self.label_names, labels, extra)} {_number(cumulative)}"
-            yield f"{self.name}_sum{_labels(self.label_names, labels)} {_number(series[-2])}"
-            yield f"{self.name}_count{_labels(self.label_names, labels)} {_number(series[-1])}"
+                yield f"{self.name}_bucket{_labels(names, labels, extra)} {_number(cumulative)}"
+            yield f"{self.name}_sum{_labels(names, labels)} {_number(series[-2])}"
+            yield f"{self.name}_count{_labels(names, labels)} {_number(series[-1])}"
 
 
 class Gauge:
@@ -90,9 +107,12 @@ class Gauge:
                  collect: Callable[[], dict[LabelValues, float]]) -> None:
         self.name, self.help, self.label_names, self.collect = name, help_text, tuple(labels), collect
 
-    def render(self) -> Iterable[str]:
+    def render(self, hidden: frozenset[str] = NO_HIDDEN) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} gauge"
+        if hidden.intersection(self.label_names):
+            # A gauge per entitlement (debt, a quota's limit) does not add up to anything meaningful: left out.
+            return
         for labels, value in self.collect().items():
             yield f"{self.name}{_labels(self.label_names, labels)} {_number(value)}"
 
@@ -122,10 +142,12 @@ class GatewayMetrics:
                   collect: Callable[[], dict[LabelValues, float]]) -> None:
         self.gauges.append(Gauge(name, help_text, labels, collect))
 
-    def render(self) -> bytes:
+    def render(self, hidden: frozenset[str] = NO_HIDDEN) -> bytes:
+        """The exposition text; `hidden` label names are summed away (counters, histograms) or their gauges
+        left out (apps/gateway/metrics_access.py: what an anonymous reader may see)."""
         lines: list[str] = []
         metrics: list[Counter | Histogram | Gauge] = [self.ttft, self.duration, self.admitted, self.rejected,
                                                       self.tokens, *self.gauges]
         for metric in metrics:
-            lines.extend(metric.render())
+            lines.extend(metric.render(hidden))
         return ("\n".join(lines) + "\n").encode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator, URLValidator
@@ -20,6 +21,8 @@ from apps.policy.classes import Baseline, Shrink
 from apps.tenancy.quota import CURRENCY, QuotaFields
 
 GIB = 1024**3
+# The one answer to a taken entitlement name, whichever tenant holds it (TokenEntitlement.unique_error_message).
+ENTITLEMENT_NAME_TAKEN = "this name is not available; choose another"
 
 name_validator = RegexValidator(
     r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
@@ -237,6 +240,14 @@ class TokenEntitlement(QuotaFields, models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def unique_error_message(self, model_class: Any, unique_check: Any) -> ValidationError:
+        # Names are unique across tenants (the gateway's caches, usage records and store keys are keyed by
+        # them): "already exists" would tell a tenant that another one uses the name. The same neutral answer
+        # whoever holds it, so a taken name says nothing about whose it is.
+        if tuple(unique_check) == ("name",):
+            return ValidationError(ENTITLEMENT_NAME_TAKEN, code="unique")
+        return super().unique_error_message(model_class, unique_check)
 
     @property
     def weight(self) -> float:

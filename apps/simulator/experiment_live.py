@@ -209,11 +209,12 @@ async def operate_capacity(url: str, token: str, backend: Backend, events: list[
                 raise RuntimeError(f"capacity event at {event.at} s failed: {response.text}")
 
 
-async def sample_metrics(url: str, horizon_s: float, samples: list[dict[str, Any]]) -> None:
+async def sample_metrics(url: str, horizon_s: float, samples: list[dict[str, Any]], *, token: str = "") -> None:
     """Once a second, the gateway's own view from `/metrics`: what the store holds per entitlement, the
     pool's saturation and budget (the slots held over time, as the gateway sees them)."""
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=5) as client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=5, headers=headers) as client:
         while (elapsed := time.monotonic() - started) < horizon_s:
             with contextlib.suppress(httpx.HTTPError):
                 text = (await client.get(url + "/metrics")).text
@@ -283,7 +284,9 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
                                 horizon_s=horizon, on_join=join, on_leave=leave)
 
         async def both() -> list[LiveRecord]:
-            helpers = [asyncio.ensure_future(sample_metrics(url, horizon, samples if samples is not None else []))]
+            sampled = sample_metrics(url, horizon, samples if samples is not None else [],
+                                     token=site.env.get("METRICS_TOKEN", ""))
+            helpers = [asyncio.ensure_future(sampled)]
             if config.capacity_events:
                 helpers.append(asyncio.ensure_future(operate_capacity(
                     url, token, backend, list(config.capacity_events), per_replica, time.monotonic())))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -41,6 +42,9 @@ def prepare_site(
     site_env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / database}", "LOG_LEVEL": "WARNING",
                 **(env or {})}
     site_env.pop("DJANGO_SETTINGS_MODULE", None)
+    # The experiments read the per-entitlement gauges, which /metrics only shows to the token's holder.
+    if not site_env.get("METRICS_TOKEN"):
+        site_env["METRICS_TOKEN"] = secrets.token_urlsafe(24)
     manage(site_env, "migrate", "--noinput", repo=repo)
     script = "; ".join(
         f"tenant_create(actor=SYSTEM, name={slug.title()!r}, slug={slug!r})" for slug in tenants

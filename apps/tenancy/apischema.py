@@ -11,8 +11,9 @@ adds, to every operation that does not declare the status itself:
 
 Reads answer no 403 (a signed-in user may read what they can see; the rest is a 404). An operation with
 another error (a DELETE that a service may refuse with a 400, a manifest's own error list) declares it with
-``extend_schema(responses=...)`` and the shared responses below. Nothing here answers 409 or 429: conflicts
-are 400 field errors, and the REST API has no throttling (the gateway's 429s are not part of this schema).
+``extend_schema(responses=...)`` and the shared responses below. Nothing here answers 409: conflicts are 400
+field errors. 429 only where a view says `signin_lockout` (the token endpoint's failed-password lockout); the
+gateway's 429s are not part of this schema.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ NOT_AUTHENTICATED = OpenApiResponse(ErrorDetailSerializer, description="no crede
 FORBIDDEN = OpenApiResponse(ErrorDetailSerializer, description="the user may not do this")
 NOT_FOUND = OpenApiResponse(ErrorDetailSerializer, description="no such object among those the user may see")
 UNSUPPORTED_MEDIA_TYPE = OpenApiResponse(ErrorDetailSerializer, description="a body in a Content-Type not listed")
+TOO_MANY_SIGNINS = OpenApiResponse(ErrorDetailSerializer, description="too many failed sign-ins for this user or "
+                                   "from this address: locked for the seconds in Retry-After")
 
 
 class ApiSchema(AutoSchema):
@@ -84,4 +87,6 @@ class ApiSchema(AutoSchema):
             found["404"] = NOT_FOUND
         if takes_body:
             found["415"] = UNSUPPORTED_MEDIA_TYPE
+        if getattr(self.view, "signin_lockout", False):
+            found["429"] = TOO_MANY_SIGNINS
         return found

@@ -96,6 +96,16 @@ def user_list(*, user: AnyUser) -> QuerySet:
     return User.objects.filter(memberships__tenant__in=tenant_list(user=user)).distinct().order_by("username")
 
 
+def user_private_fields_visible(*, user: AnyUser, other: Any) -> bool:
+    """Whether `user` may read `other`'s email and superuser flag: their own record, or a site operator
+    (active superuser or staff). A tenant owner sees only the usernames of the people in their tenants: adding
+    a username to a tenant must not reveal who that login is or what it may do elsewhere."""
+    if getattr(user, "pk", None) is not None and user.pk == getattr(other, "pk", None):
+        return True
+    return bool(getattr(user, "is_active", False)
+                and (getattr(user, "is_superuser", False) or getattr(user, "is_staff", False)))
+
+
 def user_get(*, user: AnyUser, user_id: int | str) -> Any:
     User = get_user_model()
     try:

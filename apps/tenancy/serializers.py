@@ -11,7 +11,7 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from apps.tenancy.models import Membership, Role, Tenant
-from apps.tenancy.selectors import tenant_list, user_role
+from apps.tenancy.selectors import tenant_list, user_private_fields_visible, user_role
 
 
 def request_user(serializer: serializers.Serializer) -> Any:
@@ -61,6 +61,16 @@ class UserSerializer(serializers.ModelSerializer):
         fields = ["id", "username", "email", "is_superuser", "password", "roles"]
         read_only_fields = ["id"]
         extra_kwargs: dict[str, dict[str, Any]] = {"username": {"validators": []}}
+
+    # Left out (not blanked) where the reader may not see them: both are optional in the schema.
+    PRIVATE_FIELDS = ("email", "is_superuser")
+
+    def to_representation(self, instance: Any) -> dict[str, Any]:
+        data: dict[str, Any] = super().to_representation(instance)
+        if not user_private_fields_visible(user=request_user(self), other=instance):
+            for name in self.PRIVATE_FIELDS:
+                data.pop(name, None)
+        return data
 
     def get_roles(self, obj: Any) -> list[dict[str, str]]:
         visible = tenant_list(user=request_user(self))

@@ -5,10 +5,12 @@ see (owner/member of acme, outsider of globex, operator)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
@@ -16,9 +18,10 @@ from django.contrib.auth.models import AnonymousUser
 from django.test import Client
 
 from apps.dashboard import telemetry
-from apps.dashboard.consumers import CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
+from apps.dashboard.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
 from apps.dashboard.routing import websocket_urlpatterns
 from apps.dashboard.telemetry import EntitlementPoint, MemoryHistory, PoolSample, pool_group
+from apps.tenancy.models import Membership
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
 
@@ -167,3 +170,47 @@ async def test_the_site_application_authenticates_by_session_cookie(objects: Non
     anonymous = WebsocketCommunicator(application, "/ws/pools/qwen-pool/", headers=headers[:2])
     connected, code = await anonymous.connect()
     assert (connected, code) == (False, CLOSE_UNAUTHENTICATED)
+
+
+# --- losing access closes the socket (issue 22: tenants see only themselves) ----------------------------------
+
+RECHECK_S = 0.2
+
+
+async def _closed_within(comm: WebsocketCommunicator, seconds: float) -> tuple[int, float]:
+    """The close code the server sent, and after how long; samples keep flowing meanwhile (none may pass)."""
+    started = time.monotonic()
+    while True:
+        await get_channel_layer().group_send(pool_group("qwen-pool"),
+                                             {"type": "pool.sample", "sample": sample(9).to_dict()})
+        message = await comm.receive_output(timeout=seconds)
+        if message["type"] == "websocket.close":
+            return message["code"], time.monotonic() - started
+        assert time.monotonic() - started < seconds, "still streaming"
+
+
+@pytest.mark.parametrize("path", ["/ws/pools/qwen-pool/", "/ws/entitlements/acme-chat/"])
+@pytest.mark.parametrize("loss", ["membership removed", "user deactivated"])
+async def test_a_socket_is_closed_soon_after_its_user_loses_access(
+        objects: None, tenant_user: Any, history: MemoryHistory, settings: Any, path: str, loss: str) -> None:
+    settings.DASHBOARD_ACCESS_RECHECK_S = RECHECK_S
+    comm, _first = await open_socket(tenant_user, path, history)
+    if loss == "membership removed":
+        await database_sync_to_async(Membership.objects.filter(user=tenant_user).delete)()
+    else:
+        tenant_user.is_active = False
+        await database_sync_to_async(tenant_user.save)()
+    code, after_s = await _closed_within(comm, 5.0)
+    print(f"{loss}, {path}: closed {code} after {after_s:.2f} s (re-check every {RECHECK_S} s)")
+    assert code == CLOSE_FORBIDDEN
+    await comm.disconnect()
+
+
+async def test_a_socket_whose_user_keeps_access_stays_open(objects: None, owner: Any, history: MemoryHistory,
+                                                           settings: Any) -> None:
+    settings.DASHBOARD_ACCESS_RECHECK_S = RECHECK_S
+    comm, _first = await open_socket(owner, "/ws/entitlements/acme-chat/", history)
+    assert await comm.receive_nothing(timeout=5 * RECHECK_S)  # five re-checks, no close
+    await get_channel_layer().group_send(pool_group("qwen-pool"), {"type": "pool.sample", "sample": sample(3).to_dict()})
+    assert (await comm.receive_json_from(timeout=5))["type"] == "update"
+    await comm.disconnect()

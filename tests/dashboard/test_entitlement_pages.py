@@ -104,7 +104,7 @@ def test_an_entitlement_that_does_not_fit_is_degraded_with_the_reason_shown(owne
 def test_service_validation_errors_come_back_on_the_form(owner: Any, acme: Any, acme_entitlement: Any) -> None:
     response = client_for(owner).post(reverse("ui:entitlement-create"), entitlement_form(tenant=acme.pk, name="acme-chat"))
     assert response.status_code == 200
-    assert b"already exists" in response.content
+    assert b"this name is not available" in response.content
     assert TokenEntitlement.objects.filter(name="acme-chat").count() == 1
     bad_name = client_for(owner).post(
         reverse("ui:entitlement-create"), entitlement_form(tenant=acme.pk, name="Not A Name")

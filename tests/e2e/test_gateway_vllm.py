@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.support.manifests import documents, entitlement, tiny_pool
+from tests.support.metrics import METRICS_TOKEN, scrape
 from tests.support.site import PreparedSite, prepare_site, server_log, serving
 from tests.support.vllm import SERVED_MODEL_NAME
 
@@ -41,7 +42,8 @@ def site(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     backend_url: str = request.getfixturevalue(request.param)
     workdir: Path = tmp_path_factory.mktemp(f"gateway-{request.param}")
     prepared = prepare_site(workdir, tenants=["acme", "globex"], manifest=manifest(backend_url),
-                            key_for=KEYS, env={"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"})
+                            key_for=KEYS, env={"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory",
+                                                       "METRICS_TOKEN": METRICS_TOKEN})
     with serving(prepared) as (url, _process):
         yield url, prepared
     print(server_log(prepared)[-4000:])
@@ -70,7 +72,7 @@ def _wait_for_entitlement_in_flight(url: str, entitlement_name: str, count: int,
     while time.monotonic() < deadline and not until():
         if held():
             return True
-        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for line in scrape(url).splitlines():
             if line.startswith(prefix) and float(line[len(prefix):]) >= count:
                 return True
         time.sleep(0.01)

@@ -22,6 +22,7 @@ from apps.gateway.models import UsageRecord
 from apps.gateway.redis_state import RedisStateStore
 from apps.policy.quota import quota_window_of
 from tests.gateway.servers import ServerThread
+from tests.support.metrics import scrape
 
 # Three words: the test backend's tokenizer counts one token per word, so the prompt is 3 tokens
 # (plus none for the chat template in the test backend).
@@ -139,12 +140,12 @@ def test_processes_sharing_redis_never_pass_the_limit(gateway_factory: Any, upst
 
 
 def _gauge(url: str, name: str, labels: str) -> float | None:
-    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", httpx.get(url + "/metrics", timeout=10).text,
-                      re.M)
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", scrape(url), re.M)
     return None if match is None else float(match.group(1))
 
 
-def test_metrics_export_the_quota_as_the_store_holds_it(gateway_factory: Any, upstream_factory: Any) -> None:
+def test_metrics_export_the_quota_as_the_store_holds_it(gateway_factory: Any, upstream_factory: Any,
+                                                        metrics_token: str) -> None:
     upstream, _ = upstream_factory(max_output=4)
     h = gateway_factory(upstreams=[upstream], entitlement={"quota_tokens": 40, "quota_window": "day"})
     labels = f'{{entitlement="{h.entitlement.name}",quota="entitlement"}}'

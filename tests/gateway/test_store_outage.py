@@ -16,9 +16,10 @@ import httpx
 import pytest
 
 from apps.gateway.redis_state import RedisStateStore
+from tests.support.metrics import scrape
 from tests.support.services import PrivateRedis
 
-pytestmark = [pytest.mark.django_db, pytest.mark.redis, pytest.mark.slow]
+pytestmark = [pytest.mark.django_db, pytest.mark.redis, pytest.mark.slow, pytest.mark.usefixtures("metrics_token")]
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 CONCURRENCY = 4
@@ -35,7 +36,7 @@ def persistent_redis() -> Iterator[PrivateRedis]:
 
 
 def _gauge(url: str, name: str, labels: str = "") -> float | None:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = scrape(url)
     match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
     return None if match is None else float(match.group(1))
 

@@ -58,7 +58,7 @@ def test_api_shows_only_the_callers_tenants(acme: Any, globex: Any, admin: Any) 
     assert sorted(r["entitlement"] for r in _list(admin)) == ["acme-e", "globex-e"]
 
 
-def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any) -> None:
+def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any, metrics_token: str) -> None:
     h = gateway_factory(entitlement={"concurrency": 1})
     body = {"model": "tiny", "messages": [{"role": "user", "content": "one two three"}], "max_tokens": 4}
     assert httpx.post(h.url + "/v1/chat/completions", json=body, headers=h.auth()).status_code == 200
@@ -73,7 +73,7 @@ def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any) -> 
     usage_records_upsert_batch(dict(pending))
     assert UsageRecord.objects.get().completion_tokens == 4
 
-    metrics = httpx.get(h.url + "/metrics")
+    metrics = httpx.get(h.url + "/metrics", headers={"Authorization": f"Bearer {metrics_token}"})
     assert metrics.status_code == 200
     assert metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text

@@ -198,3 +198,60 @@ def test_session_auth_works_for_the_browser(world: World) -> None:
     client = APIClient()
     assert client.login(username="olivia", password="olivia-pass-123")
     assert client.get("/api/v1/entitlements/acme-g/").status_code == 200
+
+
+ENT_BODY = {"tenant": "acme", "pool": "qwen3-8b", "service_class": "spot", "slo_target_ms": 300,
+            "tokens_per_second": 50, "kv_cache_gib": "1", "concurrency": 2}
+
+
+@pytest.mark.parametrize("persona", ["owner", "outsider"])
+def test_a_taken_entitlement_name_says_nothing_of_whose_it_is(world: World, persona: str) -> None:
+    """Names are unique across tenants; the refusal is the same for one's own name and another tenant's."""
+    client = client_as(world.users[persona])
+    tenant = "acme" if persona == "owner" else "globex"
+    answers = {}
+    for name in ("acme-g", "globex-e"):
+        response = client.post("/api/v1/entitlements/", {**ENT_BODY, "tenant": tenant, "name": name}, format="json")
+        assert response.status_code == 400, response.content
+        answers[name] = response.json()
+    assert answers["acme-g"] == answers["globex-e"] == {"name": ["this name is not available; choose another"]}
+    # The manifests path: another tenant's name is refused with the same words, naming nobody.
+    doc = ENT_DOC.replace("acme-from-apply", "globex-e" if persona == "owner" else "acme-g").replace(
+        "tenantId: acme", f"tenantId: {tenant}")
+    applied = client.post("/api/v1/apply", doc, content_type="application/yaml")
+    assert applied.status_code == 400
+    text = applied.content.decode()
+    assert "this name is not available" in text and "exists" not in text
+    assert ("globex" if persona == "owner" else "acme") not in text.replace(
+        "globex-e" if persona == "owner" else "acme-g", "")
+
+
+@pytest.mark.parametrize("persona", ["owner", "member", "outsider"])
+def test_users_see_the_email_and_superuser_flag_of_no_one_but_themselves(world: World, persona: str) -> None:
+    me = world.users[persona]
+    me.email = f"{me.username}@example.com"
+    me.save()
+    for other in world.users.values():
+        if other != me:
+            other.email = f"{other.username}@private.example"
+            other.save()
+    # The site's superuser added to the persona's tenant: that must not reveal that the login is a superuser.
+    Membership.objects.create(tenant=Membership.objects.filter(user=me).first().tenant, user=world.users["admin"],
+                              role="member")
+    client = client_as(me)
+    rows = {row["username"]: row for row in client.get("/api/v1/users/").json()["results"]}
+    assert rows[me.username]["email"] == f"{me.username}@example.com"
+    assert rows[me.username]["is_superuser"] is False
+    others = [row for name, row in rows.items() if name != me.username]
+    assert others  # everyone shares a tenant with someone
+    for row in others:
+        assert "email" not in row and "is_superuser" not in row, row
+        assert client.get(f"/api/v1/users/{row['id']}/").json().keys() == row.keys()
+    assert client.get("/api/v1/users/me/").json()["email"] == f"{me.username}@example.com"
+    assert "private.example" not in client.get("/api/v1/users/").content.decode()
+
+
+def test_the_site_operator_sees_every_users_email_and_flag(world: World) -> None:
+    rows = client_as(world.users["admin"]).get("/api/v1/users/").json()["results"]
+    assert all("email" in row and "is_superuser" in row for row in rows)
+    assert {row["username"]: row["is_superuser"] for row in rows}["root"] is True

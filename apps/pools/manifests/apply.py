@@ -31,7 +31,7 @@ from apps.pools.manifests.reader import (
     unknown_fields,
 )
 from apps.pools.manifests.tenants import apply_tenant, validate_tenants
-from apps.pools.models import TokenEntitlement, TokenPool
+from apps.pools.models import ENTITLEMENT_NAME_TAKEN, TokenEntitlement, TokenPool
 from apps.pools.services import (
     _check_pool,
     entitlement_create,
@@ -130,7 +130,7 @@ def _validate_entitlements(entitlements: list[Plan], tenants: list[Plan], pools:
         existing = TokenEntitlement.objects.select_related("tenant").filter(name=plan.name).first()
         if existing is not None and existing.tenant.slug != slug:
             errors.add(plan.index, plan.kind, plan.name, "metadata.name",
-                       "an entitlement with this name already exists (entitlements cannot move between tenants)")
+                       ENTITLEMENT_NAME_TAKEN)
             continue
         pool = TokenPool.objects.filter(name=v["pool_name"]).first()
         if pool is None and v["pool_name"] not in pool_names_in_file:

@@ -27,6 +27,7 @@ class Command(BaseCommand):
             # Limits live in each process's memory without Redis: several processes would each enforce them.
             raise CommandError("--workers above 1 needs REDIS_URL so that every process enforces one set of limits")
         from apps.gateway.config import GatewayConfig
+        from apps.gateway.http_guard import GuardedHttpToolsProtocol
 
         drain_s = GatewayConfig.from_settings().drain_timeout_s
         self.stdout.write(f"tokenpools serving on http://{options['host']}:{port}/")
@@ -40,4 +41,8 @@ class Command(BaseCommand):
             log_level=options["log_level"],
             lifespan="on",
             timeout_graceful_shutdown=max(1, math.ceil(drain_s)),
+            # Idle and slow connections are closed: after a response (keep-alive), and before a request's
+            # headers are complete (SERVER_HEADER_TIMEOUT_S, apps/gateway/http_guard.py).
+            http=GuardedHttpToolsProtocol,
+            timeout_keep_alive=settings.SERVER_KEEPALIVE_TIMEOUT_S,
         )
