@@ -37,7 +37,8 @@ PASSWORD = "correct horse battery staple"
 SITE_ENV = {
     "TOKENPOOLS_TICKS": "off", "GATEWAY_LEASE_S": str(LEASE_S), "GATEWAY_LEASE_RENEW_S": "1",
     "GATEWAY_ACQUIRE_TIMEOUT_S": "2", "GATEWAY_USAGE_FLUSH_S": "1", "METRICS_TOKEN": METRICS_TOKEN,
-    "LOGIN_FAILURE_LIMIT": "10", "LOGIN_LOCKOUT_S": str(LOCKOUT_S), "SERVE_IDLE_TIMEOUT_S": str(IDLE_S),
+    "LOGIN_FAILURE_LIMIT": "10", "LOGIN_LOCKOUT_S": str(LOCKOUT_S), "SERVER_HEADER_TIMEOUT_S": str(IDLE_S),
+    "SERVER_KEEPALIVE_TIMEOUT_S": str(int(IDLE_S)),
 }
 USERS = """
 from django.contrib.auth import get_user_model
