@@ -56,6 +56,9 @@ class GatewayError(Exception):
             headers.append((b"x-tokenpools-reject-reason", self.reason.encode()))
         if self.retryable is False:
             headers.append((b"x-should-retry", b"false"))
+        if self.status == 401:
+            # RFC 9110: a 401 names the scheme that would be accepted (a bearer key or METRICS_TOKEN).
+            headers.append((b"www-authenticate", b'Bearer realm="tokenpools"'))
         return headers
 
 

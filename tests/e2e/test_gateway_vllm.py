@@ -55,7 +55,7 @@ def _client(url: str, key: str, **options: object) -> openai.OpenAI:
 
 def _in_flight(url: str) -> float:
     """Requests the gateway holds for the pool, from its own /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = scrape(url)
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("gateway_requests_in_flight{")]
     assert values, "gateway_requests_in_flight missing from /metrics"

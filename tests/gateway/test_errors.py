@@ -67,6 +67,7 @@ def test_bad_keys_are_401(gateway_factory: Any, header: str | None) -> None:
     response = httpx.post(h.url + "/v1/chat/completions", json=GOOD, headers=headers)
     assert_openai_error(response, 401, "invalid_api_key")
     assert response.json()["error"]["type"] == "authentication_error"
+    assert response.headers["www-authenticate"] == 'Bearer realm="tokenpools"'
 
 
 def test_unknown_route_and_wrong_method(gateway_factory: Any) -> None:

@@ -55,6 +55,7 @@ def test_with_a_token_only_its_bearer_reads_and_sees_every_label(settings: Any, 
                     {"Authorization": "Bearer s3cret-token-and-more"}, h.auth()):
         response = httpx.get(h.url + "/metrics", headers=headers)
         assert response.status_code == 401, headers
+        assert response.headers["www-authenticate"].startswith("Bearer")
         assert response.json()["error"]["code"] == "metrics_token_required"
         assert "acme-chat" not in response.text
     response = httpx.get(h.url + "/metrics", headers={"Authorization": "Bearer s3cret-token"})
