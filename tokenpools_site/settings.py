@@ -176,9 +176,13 @@ CACHES = {
 }
 
 # The ASGI server (`serve`): a connection must complete its request's headers within SERVER_HEADER_TIMEOUT_S of
-# connecting or of its request's first byte (idle and slowloris connections are closed); an idle keep-alive
-# connection is closed after SERVER_KEEPALIVE_TIMEOUT_S.
+# connecting or of its request's first byte (idle and slowloris connections are closed), its body within
+# SERVER_BODY_TIMEOUT_S of its headers, and a response that the client does not read for SERVER_WRITE_TIMEOUT_S
+# closes the connection (apps/gateway/http_guard.py); an idle keep-alive connection is closed after
+# SERVER_KEEPALIVE_TIMEOUT_S.
 SERVER_HEADER_TIMEOUT_S = env_float("SERVER_HEADER_TIMEOUT_S", 10.0, above=0)
+SERVER_BODY_TIMEOUT_S = env_float("SERVER_BODY_TIMEOUT_S", 30.0, above=0)
+SERVER_WRITE_TIMEOUT_S = env_float("SERVER_WRITE_TIMEOUT_S", 30.0, above=0)
 SERVER_KEEPALIVE_TIMEOUT_S = env_int("SERVER_KEEPALIVE_TIMEOUT_S", 5, at_least=1)
 
 # --- periodic ticks (workers.ticks) ---------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """A real `serve` process closes idle and slow connections (issue 22: abuse is slowed): connections that send
-nothing, that trickle their headers (slowloris), that stay idle after a response; headers above the cap are
-refused. Raw sockets, so nothing in a client library keeps or closes them for us."""
+nothing, that trickle their headers (slowloris) or their body, that stay idle after a response, that never read
+a response; headers above the cap are refused. Raw sockets, so nothing in a client library keeps or closes them
+for us."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import plotly
 import pytest
 
 from apps.gateway.http_guard import MAX_HEADER_BYTES
@@ -27,6 +29,7 @@ def address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int
     workdir: Path = tmp_path_factory.mktemp("http-guard")
     env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / 'site.sqlite3'}", "LOG_LEVEL": "WARNING",
            "REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory", "SERVER_HEADER_TIMEOUT_S": str(TIMEOUT_S),
+           "SERVER_BODY_TIMEOUT_S": str(TIMEOUT_S), "SERVER_WRITE_TIMEOUT_S": str(TIMEOUT_S),
            "SERVER_KEEPALIVE_TIMEOUT_S": "1", "DASHBOARD_LOCAL_SAMPLER": "0", "TOKENPOOLS_TICKS": "off"}
     env.pop("DJANGO_SETTINGS_MODULE", None)
     manage(env, "migrate", "--noinput")
@@ -114,3 +117,52 @@ def test_requests_within_the_timeout_keep_their_connection_and_oversized_headers
     assert _response(big).startswith(b"HTTP/1.1 400")
     assert _closed(big)
     big.close()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float | None:
+    """Seconds until the server closed `sock` (reading whatever it sent meanwhile), or None."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        if _closed(sock):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    return None
+
+
+def test_a_trickled_body_is_cut_off_after_the_timeout(address: tuple[str, int]) -> None:
+    sock = _connect(address)
+    sock.sendall(b"POST /api/v1/auth/token HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"username\"")
+    closed_after = _closed_within(sock, 10 * TIMEOUT_S)
+    print(f"a body stopped after 11 of 100 bytes: closed after {closed_after} s (body timeout {TIMEOUT_S} s)")
+    assert closed_after is not None and closed_after < 5 * TIMEOUT_S
+    sock.close()
+
+
+def test_a_client_that_never_reads_its_response_is_cut_off(address: tuple[str, int]) -> None:
+    """4.6 MB of Plotly's script to a client with a tiny receive window that reads nothing: the kernel's buffers
+    fill, uvicorn's writer pauses, and the connection is closed after the write timeout, long before the
+    response could have been delivered."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it advertises
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.settimeout(10)
+    sock.connect(address)
+    sock.sendall(b"GET /vendor/plotly.min.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    time.sleep(4 * TIMEOUT_S)  # reads nothing meanwhile
+    received, ended = 0, False
+    sock.settimeout(5)
+    try:
+        while chunk := sock.recv(65536):
+            received += len(chunk)
+        ended = True
+    except ConnectionError:
+        ended = True
+    except TimeoutError:
+        pass
+    sock.close()
+    print(f"a client that read nothing for {4 * TIMEOUT_S:.0f} s: {received:,} bytes were buffered for it, then "
+          f"the connection {'ended' if ended else 'stayed open'}")
+    assert ended
+    whole = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").stat().st_size
+    assert received < whole  # the response was cut short (the client got what the buffers held)
