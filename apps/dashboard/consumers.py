@@ -7,9 +7,9 @@ pool cut down to what this user may see. The payloads come from the pure builder
 apps.dashboard.figures; nothing here shapes a figure.
 
 Access is checked again every `DASHBOARD_ACCESS_RECHECK_S` seconds against the database (the user row
-reloaded: a deactivated login or a removed membership is not visible on the scope's cached user): a socket
-whose user may no longer see what it streams is closed with 4403, so losing access ends the stream within
-one period, not at the next page load.
+reloaded: a deactivated login or a removed membership is not visible on the scope's cached user; the browser
+session still signed in): a socket whose user may no longer see what it streams, or who signed out, is closed
+with 4403, so losing access ends the stream within one period, not at the next page load.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from importlib import import_module
+from types import SimpleNamespace
 from typing import Any
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
-from django.contrib.auth import get_user_model
+from django.contrib.auth import get_user, get_user_model
 from django.http import Http404
 
 from apps.dashboard import selectors
@@ -74,13 +76,22 @@ class _LiveConsumer(AsyncJsonWebsocketConsumer):
         self.group = pool_group(self.access.pool)
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
-        self.recheck = asyncio.ensure_future(self._recheck_access(user.pk, name))
+        # The browser's session, when the socket came with one: signing out (or a password change) ends it.
+        session_key = getattr(self.scope.get("session"), "session_key", None)
+        self.recheck = asyncio.ensure_future(self._recheck_access(user.pk, name, session_key))
         ensure_local_sampler()
         visibility = self.access.visibility
         history = samples_visible(await history_store().recent(self.access.pool), visibility)
         await self.send_json(live_payload_history(history, visibility.entitlements, ids=self.access.figure_ids))
 
-    def _access_now(self, user_id: int, name: str) -> selectors.LiveAccess | None:
+    def _access_now(self, user_id: int, name: str, session_key: str | None) -> selectors.LiveAccess | None:
+        if session_key is not None:
+            # Django's own check of a session: it exists, has not expired, names this user, and its password
+            # hash still matches (a password change signs every session out).
+            engine = import_module(settings.SESSION_ENGINE)
+            signed_in = get_user(SimpleNamespace(session=engine.SessionStore(session_key)))  # type: ignore[arg-type]
+            if signed_in.pk != user_id:
+                return None
         user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
         if user is None:
             return None
@@ -89,11 +100,11 @@ class _LiveConsumer(AsyncJsonWebsocketConsumer):
         except Http404:
             return None
 
-    async def _recheck_access(self, user_id: int, name: str) -> None:
+    async def _recheck_access(self, user_id: int, name: str, session_key: str | None) -> None:
         while self.access is not None:
             await asyncio.sleep(settings.DASHBOARD_ACCESS_RECHECK_S)
             try:
-                now = await database_sync_to_async(self._access_now)(user_id, name)
+                now = await database_sync_to_async(self._access_now)(user_id, name, session_key)
             except Exception:  # the database away for a moment: keep the socket, try again next period
                 logger.exception("live dashboard access re-check failed")
                 continue

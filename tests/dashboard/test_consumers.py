@@ -206,6 +206,31 @@ async def test_a_socket_is_closed_soon_after_its_user_loses_access(
     await comm.disconnect()
 
 
+async def test_signing_out_closes_the_sockets_of_that_session(objects: None, member: Any, history: MemoryHistory,
+                                                              settings: Any) -> None:
+    """Through the real ASGI stack with the browser's session cookie: the session ends (sign-out), the socket
+    is closed, though the user and the membership are unchanged."""
+    from asgiref.sync import sync_to_async
+
+    from tokenpools_site.asgi import application
+
+    settings.DASHBOARD_ACCESS_RECHECK_S = RECHECK_S
+    client = Client()
+    await sync_to_async(client.force_login)(member)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+    headers = [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1"), (b"cookie", cookie)]
+    comm = WebsocketCommunicator(application, "/ws/pools/qwen-pool/", headers=headers)
+    connected, _ = await comm.connect()
+    assert connected
+    assert (await comm.receive_json_from(timeout=5))["type"] == "history"
+    assert await comm.receive_nothing(timeout=3 * RECHECK_S)  # still signed in: three re-checks, no close
+    await sync_to_async(client.logout)()
+    code, after_s = await _closed_within(comm, 5.0)
+    print(f"signed out: closed {code} after {after_s:.2f} s")
+    assert code == CLOSE_FORBIDDEN
+    await comm.disconnect()
+
+
 async def test_a_socket_whose_user_keeps_access_stays_open(objects: None, owner: Any, history: MemoryHistory,
                                                            settings: Any) -> None:
     settings.DASHBOARD_ACCESS_RECHECK_S = RECHECK_S
