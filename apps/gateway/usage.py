@@ -8,6 +8,10 @@ since its last flush (`GATEWAY_USAGE_FLUSH_S`).
 With Redis, a request's usage is counted in Redis by its release (the same script), and the flush claims
 the pool's counts there and applies each claim once (`usage_batch_apply`): a process that dies loses none of
 what Redis acknowledged. Rejections are counted in the process, as with the in-process store.
+
+The keys the gateway accepted are noted the same way (`key_used`: a dict assignment) and their
+`last_used_at` written by the flush, each key at most once per `KEY_USED_EVERY_S` per process: at most a
+minute behind, and a key used a thousand times a second costs one UPDATE a minute.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 _Key = tuple[int, str, int]
+# How often one process writes one key's last_used_at at most (seconds).
+KEY_USED_EVERY_S = 60.0
 
 
 def current_minute() -> int:
@@ -37,6 +43,14 @@ class _Counts:
 class UsageAccumulator:
     def __init__(self) -> None:
         self._pending: dict[_Key, _Counts] = {}
+        # Key id -> when it was last accepted, not written yet; and when each key was last written.
+        self._keys_used: dict[int, float] = {}
+        self._keys_written: dict[int, float] = {}
+
+    def key_used(self, key_id: int, now: float) -> None:
+        """The gateway accepted this key at `now` (epoch seconds)."""
+        if now - self._keys_written.get(key_id, -KEY_USED_EVERY_S) >= KEY_USED_EVERY_S:
+            self._keys_used[key_id] = now
 
     def _counts(self, tenant_id: int, entitlement: str) -> _Counts:
         key = (tenant_id, entitlement, current_minute())
@@ -61,6 +75,8 @@ class UsageAccumulator:
 
     async def flush(self) -> int:
         """Write what accumulated since the last flush; returns the number of rows touched."""
+        if self._keys_used:
+            await self._flush_keys()
         if not self._pending:
             return 0
         batch, self._pending = self._pending, {}
@@ -75,6 +91,30 @@ class UsageAccumulator:
                 merged.completion_tokens += counts.completion_tokens
                 merged.rejected += counts.rejected
             raise
+
+
+    async def _flush_keys(self) -> None:
+        used, self._keys_used = self._keys_used, {}
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, _keys_mark_used, used)
+        except Exception:
+            for key_id, when in used.items():  # the database may be back at the next flush
+                self._keys_used[key_id] = max(when, self._keys_used.get(key_id, 0.0))
+            raise
+        self._keys_written.update(used)
+        if len(self._keys_written) > 100_000:  # keys revoked long ago: forget when they were written
+            horizon = time.time() - KEY_USED_EVERY_S
+            self._keys_written = {k: t for k, t in self._keys_written.items() if t >= horizon}
+
+
+def _keys_mark_used(used: dict[int, float]) -> int:
+    from django.db import close_old_connections
+
+    from apps.tenancy.services import apikeys_mark_used
+
+    close_old_connections()
+    return apikeys_mark_used(used_at={key_id: dt.datetime.fromtimestamp(when, tz=dt.UTC)
+                                      for key_id, when in used.items()})
 
 
 def usage_counts_parse(flat: Mapping[str, str]) -> dict[_Key, _Counts]:

@@ -18,6 +18,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 # SYSTEM and SystemActor live in apps.tenancy.actors; re-exported here, where commands and tests import them.
@@ -204,3 +205,14 @@ def apikey_mark_used(*, key: ApiKey, now: datetime | None = None) -> None:
     when = now or timezone.now()
     ApiKey.objects.filter(pk=key.pk).update(last_used_at=when)
     key.last_used_at = when
+
+
+def apikeys_mark_used(*, used_at: dict[int, datetime]) -> int:
+    """The gateway's batch of keys it accepted, with when it last did: each key's `last_used_at` moves forward
+    only (several gateway processes flush in any order). Returns how many keys were updated."""
+    updated = 0
+    with transaction.atomic():
+        for key_id, when in used_at.items():
+            updated += ApiKey.objects.filter(pk=key_id).filter(
+                Q(last_used_at__isnull=True) | Q(last_used_at__lt=when)).update(last_used_at=when)
+    return updated

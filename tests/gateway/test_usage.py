@@ -108,3 +108,46 @@ def test_a_batch_from_the_shared_store_is_applied_once(acme: Any) -> None:
     assert usage_batch_apply("claim-1", batch) is False
     record = UsageRecord.objects.get(tenant=acme, entitlement="acme-chat")
     assert (record.requests, record.prompt_tokens, record.completion_tokens) == (3, 30, 12)
+
+
+def test_the_gateway_keeps_last_used_at_batched_off_the_request_path(gateway_factory: Any) -> None:
+    """Issue 27: a key's last_used_at stays null no more. The request path only notes the key; the usage flush
+    writes it (here its writer is called in the test's thread: the test database is not shared with the
+    flush's worker thread), and never moves it back."""
+    from apps.gateway.usage import _keys_mark_used
+    from apps.tenancy.models import ApiKey
+
+    h = gateway_factory(entitlement={"concurrency": 4})
+    key = ApiKey.objects.get(entitlement=h.entitlement)
+    assert key.last_used_at is None
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "one two"}], "max_tokens": 2}
+    before = time.time()
+    for _ in range(5):
+        assert httpx.post(h.url + "/v1/chat/completions", json=body, headers=h.auth()).status_code == 200
+    key.refresh_from_db()
+    assert key.last_used_at is None  # nothing written on the request path
+    noted = dict(h.gateway.usage._keys_used)
+    assert list(noted) == [key.pk] and noted[key.pk] >= before
+    assert _keys_mark_used(noted) == 1
+    key.refresh_from_db()
+    assert key.last_used_at is not None and abs(key.last_used_at.timestamp() - noted[key.pk]) < 1e-3
+    # Another process's later write is never overwritten by an older one.
+    later = key.last_used_at + dt.timedelta(minutes=5)
+    ApiKey.objects.filter(pk=key.pk).update(last_used_at=later)
+    assert _keys_mark_used(noted) == 0
+    key.refresh_from_db()
+    assert key.last_used_at == later
+
+
+def test_one_process_writes_a_key_at_most_once_a_minute() -> None:
+    from apps.gateway.usage import KEY_USED_EVERY_S, UsageAccumulator
+
+    usage = UsageAccumulator()
+    usage.key_used(7, 1000.0)
+    assert usage._keys_used == {7: 1000.0}
+    usage._keys_used.clear()
+    usage._keys_written[7] = 1000.0  # what a flush leaves behind
+    usage.key_used(7, 1000.0 + KEY_USED_EVERY_S / 2)
+    assert usage._keys_used == {}
+    usage.key_used(7, 1000.0 + KEY_USED_EVERY_S)
+    assert usage._keys_used == {7: 1000.0 + KEY_USED_EVERY_S}
