@@ -19,6 +19,7 @@ urlpatterns = [
     path("keys/", views.key_list, name="key-list"),
     path("keys/new/", views.key_create, name="key-create"),
     path("keys/<int:key_id>/revoke/", views.key_revoke, name="key-revoke"),
+    path("keys/<int:key_id>/rotate/", views.key_rotate, name="key-rotate"),
     path("pools/", views.pool_list, name="pool-list"),
     path("pools/new/", views.pool_create, name="pool-create"),
     path("pools/<str:name>/", views.pool_detail, name="pool-detail"),

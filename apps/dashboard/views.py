@@ -255,6 +255,7 @@ def key_list(request: AuthenticatedRequest) -> HttpResponse:
         {
             "rows": page_selectors.key_rows(user=request.user),
             "can_create": pool_selectors.entitlement_list(user=request.user).exists(),
+            "rotation_graces": ROTATION_GRACES,
         },
     )
 
@@ -290,6 +291,31 @@ def key_revoke(request: AuthenticatedRequest, key_id: int) -> HttpResponse:
     key = tenancy_selectors.apikey_get(user=request.user, key_id=key_id)
     tenancy_services.apikey_revoke(actor=request.user, key=key)
     return _redirect_with_success(request, f"Key {key.prefix}… revoked.", "ui:key-list")
+
+
+# The grace periods the key list offers for a rotation (seconds, label).
+ROTATION_GRACES = ((0, "revoke the old one now"), (3600, "old one valid 1 hour"), (86400, "old one valid 1 day"),
+                   (7 * 86400, "old one valid 7 days"))
+
+
+@never_cache  # the response carries the new secret: no cache may keep it
+@login_required
+@require_POST
+def key_rotate(request: AuthenticatedRequest, key_id: int) -> HttpResponse:
+    """A new secret replacing the key (shown once, as after creation); the old one keeps working for the grace
+    period chosen in the list (a day unless told)."""
+    key = tenancy_selectors.apikey_get(user=request.user, key_id=key_id)
+    allowed = {str(seconds): seconds for seconds, _label in ROTATION_GRACES}
+    grace = allowed.get(request.POST.get("grace_period_s", "86400"))
+    if grace is None:
+        return HttpResponse("unknown grace period", status=400, content_type="text/plain")
+    try:
+        new_key, secret = tenancy_services.apikey_rotate(actor=request.user, key=key, grace_s=grace)
+    except ValidationError as error:  # an expired key
+        messages.error(request, " ".join(error.messages))
+        return redirect("ui:key-list")
+    return render(request, "dashboard/key_created.html", {"key": new_key, "secret": secret, "replaced": key},
+                  status=201)
 
 
 # --- pools -------------------------------------------------------------------------------------------

@@ -20,7 +20,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from apps.operations.serializers import ApiKeyCreatedSerializer, ApiKeySerializer, TenantWithQuotaSerializer
+from apps.operations.serializers import (
+    ApiKeyCreatedSerializer,
+    ApiKeyRotatedSerializer,
+    ApiKeyRotateSerializer,
+    ApiKeySerializer,
+    TenantWithQuotaSerializer,
+)
 from apps.operations.tenants import tenant_delete, tenant_save
 from apps.tenancy import selectors as tenancy_selectors
 from apps.tenancy import services as tenancy_services
@@ -139,6 +145,22 @@ class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Cre
 
     def perform_destroy(self, instance: ApiKey) -> None:
         call_service(tenancy_services.apikey_revoke, actor=self.request.user, key=instance)
+
+    @extend_schema(request=ApiKeyRotateSerializer, responses={201: ApiKeyRotatedSerializer})
+    @action(detail=True, methods=["post"])
+    def rotate(self, request: Request, pk: str | None = None) -> Response:
+        """A new secret for the key's entitlement (in this answer only); the replaced key keeps working for
+        ``grace_period_s`` (default a day; 0 revokes it at once), so clients can move over. Both are listed, each
+        with its expiry."""
+        options = ApiKeyRotateSerializer(data=request.data)
+        options.is_valid(raise_exception=True)
+        old = self.get_object()
+        key, secret = call_service(tenancy_services.apikey_rotate, actor=request.user, key=old,
+                                   grace_s=options.validated_data["grace_period_s"])
+        key.secret = secret  # type: ignore[attr-defined]
+        key.replaced = old  # type: ignore[attr-defined]
+        out = ApiKeyRotatedSerializer(key, context=self.get_serializer_context())
+        return Response(out.data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={200: ApiKeySerializer})
     @action(detail=True, methods=["post"])

@@ -12,6 +12,7 @@ from apps.gateway.quotas import tenant_quota_status
 from apps.pools.selectors import entitlement_list
 from apps.tenancy.models import ApiKey, Tenant
 from apps.tenancy.serializers import QuotaStatusSerializer, TenantSerializer, request_user
+from apps.tenancy.services import DEFAULT_ROTATION_GRACE_S, MAX_ROTATION_GRACE_S
 
 
 class TenantWithQuotaSerializer(TenantSerializer):
@@ -62,3 +63,20 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
 
     class Meta(ApiKeySerializer.Meta):
         fields = [*ApiKeySerializer.Meta.fields, "secret"]
+
+
+class ApiKeyRotateSerializer(serializers.Serializer):
+    """``POST /api/v1/keys/ID/rotate/``: how long the replaced secret stays valid."""
+
+    grace_period_s = serializers.IntegerField(
+        min_value=0, max_value=MAX_ROTATION_GRACE_S, default=DEFAULT_ROTATION_GRACE_S,
+        help_text="seconds the replaced secret keeps working (0: revoked at once); default one day")
+
+
+class ApiKeyRotatedSerializer(ApiKeyCreatedSerializer):
+    """The rotation's answer: the new key with its secret (shown once), and the replaced one as it is now."""
+
+    replaced = ApiKeySerializer(read_only=True, help_text="the replaced key, with its new expiry (or revoked)")
+
+    class Meta(ApiKeyCreatedSerializer.Meta):
+        fields = [*ApiKeyCreatedSerializer.Meta.fields, "replaced"]

@@ -12,7 +12,7 @@ and lives one layer above both: ``apps.operations.tenants.tenant_delete``.
 from __future__ import annotations
 
 import secrets
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -198,6 +198,35 @@ def apikey_revoke(*, actor: AnyUser, key: ApiKey, now: datetime | None = None) -
         key.revoked_at = now or timezone.now()
         key.save(update_fields=["revoked_at"])
     return key
+
+
+# The longest a replaced secret may stay valid after a rotation.
+MAX_ROTATION_GRACE_S = 30 * 86400
+DEFAULT_ROTATION_GRACE_S = 86400
+
+
+def apikey_rotate(*, actor: AnyUser, key: ApiKey, grace_s: int = DEFAULT_ROTATION_GRACE_S,
+                  now: datetime | None = None) -> tuple[ApiKey, str]:
+    """A new secret for the key's entitlement, with its name and expiry, returned as ``(new key, secret)``
+    (shown once); the replaced key stays valid for `grace_s` seconds (0: revoked at once) so that clients can
+    move over. Whoever may revoke the key may rotate it; a revoked or expired key cannot be."""
+    require_key_revoker(actor, key)
+    now = now or timezone.now()
+    if isinstance(grace_s, bool) or not isinstance(grace_s, int) or not 0 <= grace_s <= MAX_ROTATION_GRACE_S:
+        raise ValidationError({"grace_period_s": [f"must be a whole number of seconds from 0 to {MAX_ROTATION_GRACE_S}"]})
+    if not key.is_active(now):
+        raise ValidationError({"key": [f"a {key.status} key cannot be rotated; create a new one"]})
+    with transaction.atomic():
+        new_key, secret = apikey_create(actor=actor, entitlement=key.entitlement, name=key.name,
+                                        expires_at=key.expires_at, now=now)
+        if grace_s == 0:
+            key.revoked_at = now
+            key.save(update_fields=["revoked_at"])
+        else:
+            until = now + timedelta(seconds=grace_s)
+            key.expires_at = until if key.expires_at is None else min(key.expires_at, until)
+            key.save(update_fields=["expires_at"])
+    return new_key, secret
 
 
 def apikey_mark_used(*, key: ApiKey, now: datetime | None = None) -> None:

@@ -112,3 +112,24 @@ def test_csrf_is_enforced_on_key_creation(member: Any, acme_entitlement: Any) ->
     client = client_for(member, enforce_csrf_checks=True)
     assert client.post(reverse("ui:key-create"), {"entitlement": "acme-chat"}).status_code == 403
     assert not ApiKey.objects.exists()
+
+
+def test_rotating_a_key_shows_the_new_secret_once_and_keeps_the_old_for_the_chosen_grace(
+        owner: Any, member: Any, outsider: Any, member_key: Any) -> None:
+    url = reverse("ui:key-rotate", kwargs={"key_id": member_key.pk})
+    listing = client_for(member).get(reverse("ui:key-list")).content.decode()
+    assert url in listing and 'name="grace_period_s"' in listing
+    assert client_for(outsider).post(url).status_code == 404
+    assert client_for(member).get(url).status_code == 405
+    assert client_for(member).post(url, {"grace_period_s": "12345"}).status_code == 400
+    response = client_for(member).post(url, {"grace_period_s": "3600"})
+    assert response.status_code == 201 and "no-store" in response["Cache-Control"]
+    page = response.content.decode()
+    new_secret = _secret_on(page)
+    new_key = apikey_resolve(secret=new_secret)
+    assert new_key is not None and new_key.pk != member_key.pk and new_key.entitlement_id == member_key.entitlement_id
+    member_key.refresh_from_db()
+    assert member_key.expires_at is not None and member_key.revoked_at is None and "keeps working until" in page
+    # Rotating the new one with no grace revokes it at once, and an expired key cannot be rotated.
+    again = client_for(owner).post(reverse("ui:key-rotate", kwargs={"key_id": new_key.pk}), {"grace_period_s": "0"})
+    assert again.status_code == 201 and apikey_resolve(secret=new_secret) is None
