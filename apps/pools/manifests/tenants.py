@@ -20,7 +20,14 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 
 from apps.pools.manifests.limits import excerpt
-from apps.pools.manifests.reader import API_VERSION, TENANT_PATHS, Collector, Plan, changed_paths, model_errors
+from apps.pools.manifests.reader import (
+    API_VERSION,
+    TENANT_PATHS,
+    Collector,
+    Plan,
+    changed_paths,
+    model_errors,
+)
 from apps.tenancy import services as tenancy_services
 from apps.tenancy.models import Membership, Tenant
 from apps.tenancy.selectors import tenant_list, user_role
