@@ -29,7 +29,9 @@ def run(*args: str) -> tuple[str, str]:
 @pytest.mark.django_db
 def test_apply_and_export_commands_round_trip(acme: Any, tmp_path: Path) -> None:
     out, err = run("apply", "-f", str(EXAMPLES / "qwen3-8b.yaml"))
-    assert out.splitlines() == ["Tenant/acme updated", "TokenPool/qwen3-8b created",
+    # The fixture's acme has another name and no quota: the example's Tenant replaces them.
+    assert out.splitlines() == ["Tenant/acme updated (fields: spec.displayName, spec.quota.amount, "
+                                "spec.quota.currency, spec.quota.window)", "TokenPool/qwen3-8b created",
                                 "TokenEntitlement/sample-entitlement created"]
     assert "2 created, 1 updated" in err
     target = tmp_path / "export.yaml"

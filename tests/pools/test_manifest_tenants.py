@@ -58,6 +58,7 @@ def _docs(*, quota: dict[str, Any] | None = None, pricing: dict[str, Any] | None
     tenant, pool, ent = docs
     pool["spec"].pop("pricing")
     ent["spec"].pop("quota")
+    tenant["spec"].pop("quota")  # the example's money quota needs the prices popped above
     if pricing is not None:
         pool["spec"]["pricing"] = pricing
     if quota is not None:

@@ -18,8 +18,10 @@ optionally, prices per million tokens) is declared::
 
 Applying validates every document first and writes nothing if any is wrong (errors name the document
 index, kind, name and field); then all documents are written in one transaction, tenants before pools
-before entitlements, in any document order. Applying is idempotent: each document is reported created, updated or unchanged. A pool's
-replica list is declarative (replicas missing from the document are removed).
+before entitlements, in any document order. Applying is idempotent: each document is reported created, updated
+(with the manifest paths that changed) or unchanged, and entitlements left Pending or Degraded are listed with
+their reason; ``dry_run`` rolls it all back. A pool's replica list is declarative (replicas missing from the
+document are removed). ``apps.pools.manifests.sources`` reads files, directories and stdin into one manifest.
 
 Input is bounded (``apps.pools.manifests.limits``): ``MANIFEST_MAX_BYTES`` per manifest, 32 levels of nesting,
 200,000 values, no YAML aliases (refused before anything is expanded); errors quote values as 80-character

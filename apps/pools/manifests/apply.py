@@ -9,6 +9,7 @@ from typing import Any
 
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.pools.manifests.kinds import read_entitlement, read_pool, read_tenant
@@ -22,16 +23,18 @@ from apps.pools.manifests.reader import (
     AppliedDocument,
     ApplyResult,
     Collector,
+    EntitlementWarning,
     ManifestError,
     ManifestIssue,
     Plan,
     Reader,
+    changed_paths,
     manifests_parse,
     model_errors,
     unknown_fields,
 )
 from apps.pools.manifests.tenants import apply_tenant, validate_tenants
-from apps.pools.models import ENTITLEMENT_NAME_TAKEN, TokenEntitlement, TokenPool
+from apps.pools.models import ENTITLEMENT_NAME_TAKEN, EntitlementState, TokenEntitlement, TokenPool
 from apps.pools.services import (
     _check_pool,
     entitlement_create,
@@ -205,35 +208,60 @@ def _validate(documents: list[Any], actor: Any) -> dict[str, list[Plan]]:
     return plans
 
 
-def _apply_pool(plan: Plan, actor: Any, now: dt.datetime) -> str:
+def _apply_pool(plan: Plan, actor: Any, now: dt.datetime) -> tuple[str, tuple[str, ...]]:
     if plan.existing is None:
         pool_create(actor=actor, name=plan.name, replicas=plan.replicas or [], now=now, **plan.values)
-        return "created"
-    if _pool_values_of(plan.existing) == (plan.values, plan.replicas):
-        return "unchanged"
+        return "created", ()
+    values, replicas = _pool_values_of(plan.existing)
+    fields = changed_paths(values, plan.values, POOL_PATHS)
+    fields += ("spec.backend.replicas",) if replicas != plan.replicas else ()
+    if not fields:
+        return "unchanged", ()
     pool_update(actor=actor, pool=plan.existing, replicas=plan.replicas, now=now, **plan.values)
-    return "updated"
+    return "updated", fields
 
 
-def _apply_entitlement(plan: Plan, actor: Any, now: dt.datetime) -> str:
+def _apply_entitlement(plan: Plan, actor: Any, now: dt.datetime) -> tuple[str, tuple[str, ...]]:
     values = dict(plan.values)
     tenant = Tenant.objects.get(slug=values.pop("tenant_slug"))
     values["pool"] = TokenPool.objects.get(name=values.pop("pool_name"))
     if plan.existing is None:
         entitlement_create(actor=actor, name=plan.name, tenant=tenant, now=now, **values)
-        return "created"
-    if _entitlement_values_of(plan.existing) == values:
-        return "unchanged"
+        return "created", ()
+    fields = changed_paths(_entitlement_values_of(plan.existing), values, ENTITLEMENT_PATHS)
+    if not fields:
+        return "unchanged", ()
     entitlement_update(actor=actor, entitlement=plan.existing, now=now, **values)
-    return "updated"
+    return "updated", fields
 
 
-def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime | None = None) -> ApplyResult:
+def _warnings(plans: dict[str, list[Plan]]) -> list[EntitlementWarning]:
+    """Entitlements left Pending or Degraded: the manifest's own, and those of its pools (a pool it shrank
+    degrades entitlements the manifest does not name)."""
+    names = [p.name for p in plans["TokenEntitlement"]]
+    pools = [p.name for p in plans["TokenPool"]]
+    troubled = (TokenEntitlement.objects.filter(state__in=(EntitlementState.PENDING, EntitlementState.DEGRADED))
+                .filter(Q(name__in=names) | Q(pool__name__in=pools)).order_by("name"))
+    return [EntitlementWarning(e.name, e.state, e.state_reason) for e in troubled]
+
+
+class _DryRun(Exception):
+    """Raised inside the transaction to roll back a dry run; carries its result out."""
+
+    def __init__(self, result: ApplyResult) -> None:
+        super().__init__("dry run")
+        self.result = result
+
+
+def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime | None = None,
+                    dry_run: bool = False) -> ApplyResult:
     """Validate all documents, then write them in one transaction; raises ManifestError with nothing written.
 
     ``documents`` is YAML text or already-parsed documents. Tenants and pools need a superuser (an owner may
     change their tenant's members); entitlements an owner of the tenant named by ``tenantId`` (an unknown
-    or invisible tenant is reported as unknown).
+    or invisible tenant is reported as unknown). ``dry_run`` runs the very same writes and rolls them back
+    (with their history rows, and the on-commit hooks such as the gateway's snapshot reload), so what it
+    reports is what applying would do.
     """
     if isinstance(documents, str):
         documents = manifests_parse(documents)
@@ -245,19 +273,23 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
     if problem is not None:
         raise ManifestError([ManifestIssue(problem[0], "", "", "", problem[1])])
     now = now or timezone.now()
-    result = ApplyResult()
+    result = ApplyResult(dry_run=dry_run)
     try:
         with transaction.atomic():
             plans = _validate(documents, actor)
             actions: dict[int, AppliedDocument] = {}
-            for plan in plans["Tenant"]:
-                actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, apply_tenant(plan, actor))
-            for plan in plans["TokenPool"]:
-                actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, _apply_pool(plan, actor, now))
-            for plan in plans["TokenEntitlement"]:
-                actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name,
-                                                      _apply_entitlement(plan, actor, now))
+            for kind, write in (("Tenant", lambda p: apply_tenant(p, actor)),
+                                ("TokenPool", lambda p: _apply_pool(p, actor, now)),
+                                ("TokenEntitlement", lambda p: _apply_entitlement(p, actor, now))):
+                for plan in plans[kind]:
+                    action, fields = write(plan)
+                    actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, action, fields)
             result.documents = [actions[i] for i in sorted(actions)]
+            result.warnings = _warnings(plans)
+            if dry_run:
+                raise _DryRun(result)
+    except _DryRun as rolled_back:
+        return rolled_back.result
     except ValidationError as exc:  # a concurrent writer changed something between validation and write
         raise ManifestError([ManifestIssue(None, "", "", f, m) for f, m in model_errors(exc, {})]) from exc
     except PermissionDenied as exc:

@@ -156,14 +156,26 @@ class AppliedDocument:
     kind: str
     name: str
     action: str  # "created" | "updated" | "unchanged"
+    fields: tuple[str, ...] = ()  # when updated: the manifest paths that changed (spec.quota.amount, ...)
 
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "kind": self.kind, "name": self.name, "action": self.action}
 
 
+@dataclass(frozen=True)
+class EntitlementWarning:
+    """An entitlement the apply left Pending or Degraded, with its binding's reason."""
+
+    name: str
+    state: str
+    reason: str
+
+
 @dataclass
 class ApplyResult:
     documents: list[AppliedDocument] = field(default_factory=list)
+    warnings: list[EntitlementWarning] = field(default_factory=list)
+    dry_run: bool = False
 
     def count(self, action: str) -> int:
         return sum(1 for d in self.documents if d.action == action)
@@ -180,6 +192,13 @@ class Plan:
     values: dict[str, Any]
     replicas: list[dict[str, Any]] | None = None
     existing: Any = None
+
+
+def changed_paths(before: Mapping[str, Any], after: Mapping[str, Any], paths: Mapping[str, str]) -> tuple[str, ...]:
+    """The manifest paths of the model fields whose values differ, in ``paths``' order, each once."""
+    found = [paths.get(name, name) for name in paths if name in after and before.get(name) != after[name]]
+    found += [name for name in after if name not in paths and before.get(name) != after[name]]
+    return tuple(dict.fromkeys(found))
 
 
 class Collector:

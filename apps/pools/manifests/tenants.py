@@ -20,7 +20,14 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 
 from apps.pools.manifests.limits import excerpt
-from apps.pools.manifests.reader import API_VERSION, TENANT_PATHS, Collector, Plan, model_errors
+from apps.pools.manifests.reader import (
+    API_VERSION,
+    TENANT_PATHS,
+    Collector,
+    Plan,
+    changed_paths,
+    model_errors,
+)
 from apps.tenancy import services as tenancy_services
 from apps.tenancy.models import Membership, Tenant
 from apps.tenancy.selectors import tenant_list, user_role
@@ -73,35 +80,43 @@ def validate_tenants(plans: list[Plan], actor: Any, errors: Collector) -> None:
                 errors.add(plan.index, plan.kind, plan.name, path, message)
 
 
-def apply_tenant(plan: Plan, actor: Any) -> str:
-    """Create or update the tenant and, when the document lists them, set its members exactly."""
+def apply_tenant(plan: Plan, actor: Any) -> tuple[str, tuple[str, ...]]:
+    """Create or update the tenant and, when the document lists them, set its members exactly; returns the
+    action and, when updated, the manifest paths that changed."""
     settings = {k: v for k, v in plan.values.items() if k in SETTINGS}
     members = plan.values.get("members")
-    changed = False
+    fields: tuple[str, ...] = ()
     if plan.existing is None:
         tenant = tenancy_services.tenant_create(actor=actor, slug=plan.name, **settings)
         action = "created"
     else:
         tenant = plan.existing
-        if tenant_settings(tenant) != settings:
+        fields = changed_paths(tenant_settings(tenant), settings, TENANT_PATHS)
+        if fields:
             tenant = tenancy_services.tenant_update(actor=actor, tenant=tenant, **settings)
-            changed = True
         action = "updated"
-    if members is not None:
-        wanted = {m["user_obj"].pk: m for m in members}
-        # Promotions first, removals last: the tenant never passes through a state without an owner.
-        for member in sorted(members, key=lambda m: m["role"] != "owner"):
-            current = Membership.objects.filter(tenant=tenant, user=member["user_obj"]).first()
-            if current is None or current.role != member["role"]:
-                tenancy_services.membership_set(actor=actor, tenant=tenant, user=member["user_obj"],
-                                                role=member["role"])
-                changed = True
-        for membership in Membership.objects.filter(tenant=tenant).exclude(user_id__in=wanted):
-            tenancy_services.membership_remove(actor=actor, membership=membership)
+    if members is not None and _set_members(tenant, members, actor):
+        fields += ("spec.members",)
+    if action == "updated" and not fields:
+        return "unchanged", ()
+    return action, fields if action == "updated" else ()
+
+
+def _set_members(tenant: Tenant, members: list[dict[str, Any]], actor: Any) -> bool:
+    """Make the tenant's memberships exactly ``members``; whether anything changed."""
+    changed = False
+    wanted = {m["user_obj"].pk: m for m in members}
+    # Promotions first, removals last: the tenant never passes through a state without an owner.
+    for member in sorted(members, key=lambda m: m["role"] != "owner"):
+        current = Membership.objects.filter(tenant=tenant, user=member["user_obj"]).first()
+        if current is None or current.role != member["role"]:
+            tenancy_services.membership_set(actor=actor, tenant=tenant, user=member["user_obj"],
+                                            role=member["role"])
             changed = True
-    if action == "updated" and not changed:
-        return "unchanged"
-    return action
+    for membership in Membership.objects.filter(tenant=tenant).exclude(user_id__in=wanted):
+        tenancy_services.membership_remove(actor=actor, membership=membership)
+        changed = True
+    return changed
 
 
 def tenant_to_manifest(tenant: Tenant) -> dict[str, Any]:

@@ -1,71 +1,66 @@
-"""``python manage.py apply -f FILE.yaml [-f MORE.yaml] [--as USER]``: apply TokenPool/TokenEntitlement manifests.
+"""``python manage.py apply -f PATH [-f PATH ...] [-R] [--dry-run] [--as USER]``: apply Tenant, TokenPool and
+TokenEntitlement manifests.
 
-All documents of all files are validated first and written in one transaction; on any error nothing is
-written, the errors go to stderr and the exit code is non-zero. ``-f -`` reads standard input. Each file is
-bounded like a REST body (``MANIFEST_MAX_BYTES``; YAML aliases and deep nesting refused).
+``-f`` names a file, a directory (its .yaml, .yml and .json files; ``-R`` descends into subdirectories) or
+``-`` for standard input, and may be repeated. All files make one manifest (``apps.pools.manifests.sources``:
+a document repeated identically counts once; two different documents for one object are refused, naming
+both places). Everything is validated first and written in one transaction; on any error nothing is
+written, the errors go to stderr and the exit code is non-zero. Each file is bounded like a REST body
+(``MANIFEST_MAX_BYTES``; YAML aliases and deep nesting refused).
+
+Output, one line per object on stdout: ``Kind/name created``, ``Kind/name updated (fields: spec.a, spec.b)``
+or ``Kind/name unchanged`` (`` (dry run)`` appended with ``--dry-run``, which writes nothing); on stderr a
+``warning:`` line for every entitlement left Pending or Degraded, with its binding's reason, and a summary.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from apps.pools.management.commands._actor import resolve_actor
-from apps.pools.manifests import ManifestError, manifests_apply, manifests_parse
-from apps.pools.manifests.limits import max_bytes
+from apps.pools.manifests import ApplyResult, ManifestError, manifests_apply
+from apps.pools.manifests.sources import SourceError, read_sources
 
 
 class Command(BaseCommand):
-    help = "Apply TokenPool and TokenEntitlement manifests (idempotent; reports created/updated/unchanged)."
+    help = ("Apply Tenant, TokenPool and TokenEntitlement manifests from files, directories or stdin "
+            "(idempotent; reports created/updated/unchanged per object).")
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("-f", "--filename", action="append", required=True, help="YAML file, or - for stdin")
+        parser.add_argument("-f", "--filename", action="append", required=True,
+                            help="a manifest file (.yaml, .yml, .json), a directory of them, or - for stdin; "
+                                 "repeatable")
+        parser.add_argument("-R", "--recursive", action="store_true",
+                            help="also read the subdirectories of the directories named with -f")
+        parser.add_argument("--dry-run", action="store_true",
+                            help="validate and report what would change, writing nothing")
         parser.add_argument("--as", dest="as_user", help="act as this user (default: the platform operator)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         actor = resolve_actor(options["as_user"])
-        documents: list[Any] = []
-        origins: list[str] = []  # per document: "FILE, document N" so errors point into the right file
-        for filename in options["filename"]:
-            text = _read(filename)
-            try:
-                parsed = manifests_parse(text)
-            except ManifestError as exc:
-                raise CommandError(f"{filename}: {exc}") from exc
-            documents.extend(parsed)
-            origins.extend(f"{filename}, document {i}" for i in range(len(parsed)))
         try:
-            result = manifests_apply(actor=actor, documents=documents)
+            merged = read_sources(options["filename"], recursive=options["recursive"])
+        except SourceError as exc:
+            raise CommandError("\n".join(exc.problems)) from exc
+        try:
+            result = manifests_apply(actor=actor, documents=merged.documents, dry_run=options["dry_run"])
         except ManifestError as exc:
             lines = []
             for issue in exc.issues:
-                where = origins[issue.index] if issue.index is not None else "manifest"
+                where = merged.origins[issue.index] if issue.index is not None else "manifest"
                 what = f" ({issue.kind} {issue.name!r})" if issue.kind else ""
                 lines.append(f"{where}{what}: {issue.field + ': ' if issue.field else ''}{issue.message}")
             raise CommandError("nothing applied:\n" + "\n".join(lines)) from exc
+        self._report(result)
+
+    def _report(self, result: ApplyResult) -> None:
+        suffix = " (dry run)" if result.dry_run else ""
         for doc in result.documents:
-            self.stdout.write(f"{doc.kind}/{doc.name} {doc.action}")
-        summary = result.summary()
-        self.stderr.write(", ".join(f"{n} {a}" for a, n in summary.items()))
-
-
-def _read(filename: str) -> str:
-    """The file's text, read no further than one byte past the limit (a huge file is refused, not loaded)."""
-    limit = max_bytes()
-    try:
-        if filename == "-":  # a text stream without a buffer (a test's StringIO) is read as text
-            stdin = getattr(sys.stdin, "buffer", None)
-            raw = stdin.read(limit + 1) if stdin is not None else sys.stdin.read(limit + 1).encode()
-        else:
-            with open(filename, "rb") as handle:
-                raw = handle.read(limit + 1)
-    except OSError as exc:
-        raise CommandError(f"cannot read {filename}: {exc.strerror}") from exc
-    if len(raw) > limit:
-        raise CommandError(f"{filename}: larger than the limit of {limit} bytes (MANIFEST_MAX_BYTES)")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CommandError(f"{filename}: not UTF-8 text") from exc
+            fields = f" (fields: {', '.join(doc.fields)})" if doc.fields else ""
+            self.stdout.write(f"{doc.kind}/{doc.name} {doc.action}{fields}{suffix}")
+        for warning in result.warnings:
+            self.stderr.write(f"warning: TokenEntitlement/{warning.name} is {warning.state}: {warning.reason}")
+        summary = ", ".join(f"{n} {a}" for a, n in result.summary().items())
+        self.stderr.write(summary + (" (dry run: nothing written)" if result.dry_run else ""))

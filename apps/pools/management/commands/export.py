@@ -1,4 +1,4 @@
-"""``python manage.py export [-o FILE] [--tenant SLUG] [--as USER]``: write pools and entitlements as manifests."""
+"""``python manage.py export [-o FILE] [--tenant SLUG] [--as USER]``: write tenants, pools and entitlements as manifests."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from apps.tenancy.selectors import tenant_get
 
 
 class Command(BaseCommand):
-    help = "Export TokenPool and TokenEntitlement manifests (multi-document YAML) that `apply` accepts."
+    help = "Export Tenant, TokenPool and TokenEntitlement manifests (multi-document YAML) that `apply` accepts."
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("-o", "--output", help="file to write (default: standard output)")
