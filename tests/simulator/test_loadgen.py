@@ -28,7 +28,7 @@ from apps.simulator.loadgen import (
 from tests.gateway.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "examples" / "loadgen-demo.yaml"
+DEMO = ROOT / "examples" / "loadgen" / "demo.yaml"
 
 
 def stream(**extra: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Starts three child processes: the virtual vLLM (the demo pool's replica, 16 slots on 127.0.0.1:8100), the
 site (``serve``: UI, REST API, gateway and the in-process ticks that feed the live dashboard) and the load
-generator with ``examples/loadgen-demo.yaml`` (repeating until stopped, or for ``--loadgen-duration``
+generator with ``examples/loadgen/demo.yaml`` (repeating until stopped, or for ``--loadgen-duration``
 seconds). Prints where to look, then waits; Ctrl-C or SIGTERM stops every child (load first, backend last)
 and a child that dies on its own stops the demo with its exit status. Run ``seed_demo --write-keys`` first
 (``make run`` does), so the load generator finds the demo keys.
@@ -68,7 +68,7 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8000, help="the site's port")
         parser.add_argument("--backend-port", type=int, default=8100,
                             help="the virtual vLLM's port (demo-pool's replica is http://127.0.0.1:8100)")
-        parser.add_argument("--scenario", default=str(Path(settings.BASE_DIR) / "examples" / "loadgen-demo.yaml"))
+        parser.add_argument("--scenario", default=str(Path(settings.BASE_DIR) / "examples" / "loadgen" / "demo.yaml"))
         parser.add_argument("--keys-file", default=settings.TOKENPOOLS_DEMO_KEYS)
         parser.add_argument("--loadgen-duration", type=float, default=None,
                             help="run the traffic this many seconds once (default: repeat until stopped)")

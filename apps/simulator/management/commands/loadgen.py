@@ -15,7 +15,7 @@ class Command(BaseCommand):
     help = "Send a scenario's requests (per-key rates, lengths, phases) to the gateway; summary at the end."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--scenario", required=True, help="YAML scenario (see examples/loadgen-demo.yaml)")
+        parser.add_argument("--scenario", required=True, help="YAML scenario (see examples/loadgen/demo.yaml)")
         parser.add_argument("--url", default="http://127.0.0.1:8000", help="the site's base URL")
         parser.add_argument("--duration", type=float, default=None, help="seconds (default: the scenario's)")
         parser.add_argument("--seed", type=int, default=None, help="arrival seed (default: the scenario's)")
