@@ -184,3 +184,31 @@ def test_a_served_site_answers_the_probes(tmp_path: Path, live_backend: Any) -> 
         assert ready.json()["checks"]["pools"] == {"probe-pool": "no healthy replica"}
         _no_tenant_names(ready.text, "acme", "probe-chat")
         assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_site_without_its_database_is_live_but_not_ready(tmp_path: Path) -> None:
+    from apps.simulator.live_site import PreparedSite
+    from tests.gateway.servers import free_port
+
+    # Nothing listens on that port: the database is away (as while PostgreSQL restarts).
+    env = {**prepare_env(), "DATABASE_URL": f"postgres://tokenpools:secret@127.0.0.1:{free_port()}/tokenpools"}
+    site = PreparedSite(env=env, keys={}, workdir=tmp_path)
+    with serving(site) as (url, _process):
+        assert httpx.get(url + "/healthz", timeout=10).json() == {"status": "ok"}
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        ready = httpx.get(url + "/readyz", timeout=20)
+        assert ready.status_code == 503, server_log(site)[-2000:]
+        body = ready.json()
+        assert body["status"] == "starting"
+        assert body["checks"]["gateway"].startswith("not started: ")
+        assert body["checks"]["database"].startswith("unreachable: ")
+        assert "secret" not in ready.text and "tokenpools@" not in ready.text
+
+
+def prepare_env() -> dict[str, str]:
+    import os
+
+    env = {**os.environ, "LOG_LEVEL": "WARNING", "REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory"}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    return env
