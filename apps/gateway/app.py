@@ -40,6 +40,7 @@ from apps.gateway.auth import authenticate, authorize_model
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import JSON_TYPE, ClientGone, RequestContext
 from apps.gateway.errors import GatewayError, unavailable
+from apps.gateway.health import HEALTH_PATHS, Health
 from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.metrics_access import metrics_hidden_labels
@@ -88,6 +89,7 @@ class Gateway:
         self.client: httpx.AsyncClient | None = None
         self.transport = transport
         self.loops = ProcessLoops(self, control=control)
+        self.health = Health(self)
         self._timeout: dict[str, float | None] = {}
         self._synced: dict[str, PoolInfo] = {}
         self._start_lock: asyncio.Lock | None = None
@@ -154,6 +156,7 @@ class Gateway:
         if self.store is not None:
             await self.store.close()
         self.snapshots.close()
+        self.health.close()
         self._started = False
 
     # --- pools --------------------------------------------------------------------------------------
@@ -205,6 +208,9 @@ class Gateway:
             return
         ctx = RequestContext(scope, receive, send, "req_" + uuid.uuid4().hex)
         try:
+            if ctx.scope["path"] in HEALTH_PATHS:  # before the start: /healthz touches nothing, /readyz says it
+                await self.health.serve(ctx)
+                return
             if not self._started:
                 try:
                     await self.start()

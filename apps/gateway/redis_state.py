@@ -565,5 +565,9 @@ class RedisStateStore(GatewayStateStore):
         value = await self._redis(self.redis.get(self._slot_keys(pool)[1]))
         return None if value is None else int(value)
 
+    async def ping(self, *, timeout_s: float) -> None:
+        # Through this store's own pool: a pool exhausted by requests is as unready as a Redis that is away.
+        await asyncio.wait_for(self.redis.ping(), timeout_s)
+
     async def close(self) -> None:
         await self.redis.aclose(close_connection_pool=True)

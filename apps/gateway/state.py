@@ -228,6 +228,9 @@ class GatewayStateStore(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    async def ping(self, *, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Raise when the store does not answer within `timeout_s` (/readyz); an in-process store always does."""
+
     # --- usage counted in the store (shared stores: a gateway that dies loses none of it) --------------
 
     records_usage: bool = False

@@ -13,7 +13,8 @@ from apps.gateway.asgi import gateway_application, is_gateway_path
 @pytest.mark.parametrize(
     ("path", "gateway"),
     [("/v1/chat/completions", True), ("/v1/models", True), ("/metrics", True), ("/api/v1/pools/", False),
-     ("/", False), ("/v1", True), ("/metricsx", False)],
+     ("/", False), ("/v1", True), ("/metricsx", False), ("/healthz", True), ("/readyz", True), ("/health", True),
+     ("/healthzx", False)],
 )
 def test_paths_are_split_by_prefix(path: str, gateway: bool) -> None:
     assert is_gateway_path(path) is gateway
