@@ -50,6 +50,8 @@ class Accountant:
         """Release everything the request holds and account for it (call once)."""
         ctx, reservation, scheduler = admission.ctx, admission.reservation, admission.scheduler
         self.in_flight.remove(admission.pool.name, ctx.request_id)
+        # The key served (or was offered) a request: its last_used_at, written by the usage flush.
+        self.usage.key_used(admission.entry.key_id, time.time())
         if admission.dispatched:
             admission.dispatched = False
             # A reservation in a shared store gives its slot of the pool budget back in its own release.

@@ -213,6 +213,7 @@ class Admitter:
     def count_rejection(self, entry: KeyEntry, limits: EntitlementLimits, reason: str) -> None:
         self.metrics.rejected.inc((limits.entitlement_id, str(limits.service_class), reason))
         self.usage.reject(tenant_id=entry.tenant_id, entitlement=entry.entitlement)
+        self.usage.key_used(entry.key_id, time.time())
 
 
 def quota_claim(entry: KeyEntry, limits: EntitlementLimits, request: AdmissionRequest,

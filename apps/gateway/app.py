@@ -291,9 +291,7 @@ class Gateway:
 
     async def _completion(self, ctx: RequestContext, kind: str) -> None:
         snapshot = await self._snapshot()
-        now = time.time()
-        entry = authenticate(ctx, snapshot, now)
-        self.usage.key_used(entry.key_id, now)  # last_used_at, written by the usage flush
+        entry = authenticate(ctx, snapshot, time.time())
         body = await read_body(ctx, self.config.max_body_bytes)  # a client gone meanwhile: ClientGone
         # From here on the client may go away (while its tokens are counted, while it is offered or waits,
         # before the upstream answers, mid-stream): the watcher cancels this task at once, which releases

@@ -111,7 +111,7 @@ def test_a_batch_from_the_shared_store_is_applied_once(acme: Any) -> None:
 
 
 def test_the_gateway_keeps_last_used_at_batched_off_the_request_path(gateway_factory: Any) -> None:
-    """Issue 27: a key's last_used_at stays null no more. The request path only notes the key; the usage flush
+    """Issue 27: a key's last_used_at stays null no more. The account step only notes the key; the usage flush
     writes it (here its writer is called in the test's thread: the test database is not shared with the
     flush's worker thread), and never moves it back."""
     from apps.gateway.usage import _keys_mark_used
