@@ -149,17 +149,22 @@ async def test_history_older_than_fifteen_minutes_is_not_sent(objects: None, sup
     await comm.disconnect()
 
 
+async def _signed_in(user: Any) -> tuple[Client, list[tuple[bytes, bytes]]]:
+    """A browser signed in as `user`: its test client and the headers its websocket sends (origin, cookie)."""
+    from asgiref.sync import sync_to_async
+
+    client = Client()
+    await sync_to_async(client.force_login)(user)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+    return client, [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1"), (b"cookie", cookie)]
+
+
 async def test_the_site_application_authenticates_by_session_cookie(objects: None, member: Any,
                                                                     history: MemoryHistory) -> None:
     """The real ASGI stack (origin check, session auth, routing) of tokenpools_site.asgi."""
-    from asgiref.sync import sync_to_async
-
     from tokenpools_site.asgi import application
 
-    client = Client()
-    await sync_to_async(client.force_login)(member)
-    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
-    headers = [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1"), (b"cookie", cookie)]
+    _client, headers = await _signed_in(member)
     comm = WebsocketCommunicator(application, "/ws/pools/qwen-pool/", headers=headers)
     connected, _ = await comm.connect()
     assert connected
@@ -215,10 +220,7 @@ async def test_signing_out_closes_the_sockets_of_that_session(objects: None, mem
     from tokenpools_site.asgi import application
 
     settings.DASHBOARD_ACCESS_RECHECK_S = RECHECK_S
-    client = Client()
-    await sync_to_async(client.force_login)(member)
-    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
-    headers = [(b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1"), (b"cookie", cookie)]
+    client, headers = await _signed_in(member)
     comm = WebsocketCommunicator(application, "/ws/pools/qwen-pool/", headers=headers)
     connected, _ = await comm.connect()
     assert connected
