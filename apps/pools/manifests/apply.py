@@ -12,6 +12,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.pools.manifests.diff import object_diffs, stored_manifests
 from apps.pools.manifests.kinds import read_entitlement, read_pool, read_tenant
 from apps.pools.manifests.limits import excerpt, structure_problem
 from apps.pools.manifests.reader import (
@@ -254,14 +255,15 @@ class _DryRun(Exception):
 
 
 def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime | None = None,
-                    dry_run: bool = False) -> ApplyResult:
+                    dry_run: bool = False, compare: bool = False) -> ApplyResult:
     """Validate all documents, then write them in one transaction; raises ManifestError with nothing written.
 
     ``documents`` is YAML text or already-parsed documents. Tenants and pools need a superuser (an owner may
     change their tenant's members); entitlements an owner of the tenant named by ``tenantId`` (an unknown
     or invisible tenant is reported as unknown). ``dry_run`` runs the very same writes and rolls them back
     (with their history rows, and the on-commit hooks such as the gateway's snapshot reload), so what it
-    reports is what applying would do.
+    reports is what applying would do. ``compare`` (a dry run) also exports every object the manifest names
+    before and after those writes (``result.diffs``: ``manage.py diff``).
     """
     if isinstance(documents, str):
         documents = manifests_parse(documents)
@@ -273,10 +275,12 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
     if problem is not None:
         raise ManifestError([ManifestIssue(problem[0], "", "", "", problem[1])])
     now = now or timezone.now()
+    dry_run = dry_run or compare
     result = ApplyResult(dry_run=dry_run)
     try:
         with transaction.atomic():
             plans = _validate(documents, actor)
+            before = stored_manifests(plans) if compare else {}
             actions: dict[int, AppliedDocument] = {}
             for kind, write in (("Tenant", lambda p: apply_tenant(p, actor)),
                                 ("TokenPool", lambda p: _apply_pool(p, actor, now)),
@@ -286,6 +290,8 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
                     actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, action, fields)
             result.documents = [actions[i] for i in sorted(actions)]
             result.warnings = _warnings(plans)
+            if compare:
+                result.diffs = object_diffs(before, stored_manifests(plans))
             if dry_run:
                 raise _DryRun(result)
     except _DryRun as rolled_back:

@@ -176,6 +176,8 @@ class ApplyResult:
     documents: list[AppliedDocument] = field(default_factory=list)
     warnings: list[EntitlementWarning] = field(default_factory=list)
     dry_run: bool = False
+    # With `compare`: every object named, as stored and as it would be (apps.pools.manifests.diff.ObjectDiff).
+    diffs: list[Any] = field(default_factory=list)
 
     def count(self, action: str) -> int:
         return sum(1 for d in self.documents if d.action == action)

@@ -136,3 +136,13 @@ def read_sources(paths: list[str], *, recursive: bool = False) -> Merged:
     if problems:
         raise SourceError(problems)
     return merge(parsed)
+
+
+def describe_issues(issues: Any, origins: Any) -> list[str]:
+    """A manifest error's problems, one line each, naming the file and document each comes from."""
+    lines = []
+    for issue in issues:
+        where = origins[issue.index] if issue.index is not None else "manifest"
+        what = f" ({issue.kind} {issue.name!r})" if issue.kind else ""
+        lines.append(f"{where}{what}: {issue.field + ': ' if issue.field else ''}{issue.message}")
+    return lines

@@ -21,7 +21,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from apps.pools.management.commands._actor import resolve_actor
 from apps.pools.manifests import ApplyResult, ManifestError, manifests_apply
-from apps.pools.manifests.sources import SourceError, read_sources
+from apps.pools.manifests.sources import SourceError, describe_issues, read_sources
 
 
 class Command(BaseCommand):
@@ -47,12 +47,7 @@ class Command(BaseCommand):
         try:
             result = manifests_apply(actor=actor, documents=merged.documents, dry_run=options["dry_run"])
         except ManifestError as exc:
-            lines = []
-            for issue in exc.issues:
-                where = merged.origins[issue.index] if issue.index is not None else "manifest"
-                what = f" ({issue.kind} {issue.name!r})" if issue.kind else ""
-                lines.append(f"{where}{what}: {issue.field + ': ' if issue.field else ''}{issue.message}")
-            raise CommandError("nothing applied:\n" + "\n".join(lines)) from exc
+            raise CommandError("nothing applied:\n" + "\n".join(describe_issues(exc.issues, merged.origins))) from exc
         self._report(result)
 
     def _report(self, result: ApplyResult) -> None:
