@@ -19,7 +19,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.pools.management.commands._actor import resolve_actor
+from apps.pools.management.commands._actor import add_manifest_arguments, resolve_actor
 from apps.pools.manifests import ApplyResult, ManifestError, manifests_apply
 from apps.pools.manifests.sources import SourceError, describe_issues, read_sources
 
@@ -29,14 +29,9 @@ class Command(BaseCommand):
             "(idempotent; reports created/updated/unchanged per object).")
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("-f", "--filename", action="append", required=True,
-                            help="a manifest file (.yaml, .yml, .json), a directory of them, or - for stdin; "
-                                 "repeatable")
-        parser.add_argument("-R", "--recursive", action="store_true",
-                            help="also read the subdirectories of the directories named with -f")
+        add_manifest_arguments(parser)
         parser.add_argument("--dry-run", action="store_true",
                             help="validate and report what would change, writing nothing")
-        parser.add_argument("--as", dest="as_user", help="act as this user (default: the platform operator)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         actor = resolve_actor(options["as_user"])

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.pools.management.commands._actor import resolve_actor
+from apps.pools.management.commands._actor import add_manifest_arguments, resolve_actor
 from apps.pools.manifests import ManifestError, manifests_apply
 from apps.pools.manifests.sources import SourceError, describe_issues, read_sources
 
@@ -26,12 +26,7 @@ class Command(BaseCommand):
             "per object (exit 0: no change, 1: changes, 2: error); writes nothing.")
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("-f", "--filename", action="append", required=True,
-                            help="a manifest file (.yaml, .yml, .json), a directory of them, or - for stdin; "
-                                 "repeatable")
-        parser.add_argument("-R", "--recursive", action="store_true",
-                            help="also read the subdirectories of the directories named with -f")
-        parser.add_argument("--as", dest="as_user", help="act as this user (default: the platform operator)")
+        add_manifest_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
