@@ -97,7 +97,7 @@ MAX_CONNECTIONS = 128
 POOL_TIMEOUT_S = 10.0
 
 
-def store_error(exc: BaseException) -> StateStoreUnavailable | None:
+def _store_failure(exc: BaseException) -> StateStoreUnavailable | None:
     """What a Redis error means for the gateway: `StateStoreUnavailable` only when Redis cannot be reached
     (refused, connect or read timeout, reset, loading, a read-only replica after a failover);
     `StateStoreBusy` when it is there but no pooled connection came free in time or it is busy running
@@ -208,27 +208,24 @@ class RedisStateStore(GatewayStateStore):
         return "" if self.clock is None else repr(float(self.clock.now()))
 
     async def _call(self, name: str, keys: list[str], args: Sequence[Any]) -> Any:
-        function = f"tp_{self._version}_{name}"
+        return await self._redis(self._fcall(f"tp_{self._version}_{name}", keys, args))
+
+    async def _fcall(self, function: str, keys: list[str], args: Sequence[Any]) -> Any:
         try:
-            try:
-                return await self.redis.fcall(function, len(keys), *keys, *args)
-            except ResponseError as exc:
-                if "function not found" not in str(exc).lower():
-                    raise
-                # A Redis that never saw this release's library, or lost it (restarted without its data).
-                await self.redis.function_load(self._library, replace=True)
-                return await self.redis.fcall(function, len(keys), *keys, *args)
-        except (RedisError, OSError) as exc:
-            error = store_error(exc)
-            if error is None:
+            return await self.redis.fcall(function, len(keys), *keys, *args)
+        except ResponseError as exc:
+            if "function not found" not in str(exc).lower():
                 raise
-            raise error from exc
+            # A Redis that never saw this release's library, or lost it (restarted without its data).
+            await self.redis.function_load(self._library, replace=True)
+            return await self.redis.fcall(function, len(keys), *keys, *args)
 
     async def _redis(self, operation: Any) -> Any:
+        """Await a call to Redis; its failures as the gateway reads them (`_store_failure`), the one place."""
         try:
             return await operation
         except (RedisError, OSError) as exc:
-            error = store_error(exc)
+            error = _store_failure(exc)
             if error is None:
                 raise
             raise error from exc
@@ -550,16 +547,13 @@ class RedisStateStore(GatewayStateStore):
     async def pool_budgets_set(self, *, budgets: Mapping[str, int]) -> None:
         if not budgets:
             return
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for pool, budget in budgets.items():
-                    pipe.set(self._slot_keys(pool)[1], int(budget))
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            error = store_error(exc)
-            if error is None:
-                raise
-            raise error from exc
+        await self._redis(self._write_budgets(budgets))
+
+    async def _write_budgets(self, budgets: Mapping[str, int]) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pool, budget in budgets.items():
+                pipe.set(self._slot_keys(pool)[1], int(budget))
+            await pipe.execute()
 
     async def pool_budget(self, *, pool: str) -> int | None:
         value = await self._redis(self.redis.get(self._slot_keys(pool)[1]))

@@ -228,7 +228,7 @@ class PoolScheduler:
                 self.held.discard(request_id)
                 if self.fail_open and not isinstance(exc, StateStoreBusy):
                     return
-                raise _store_error(exc) from None
+                raise store_error(exc) from None
             except BaseException:
                 self.held.discard(request_id)
                 self._spawn(self._drop_slot(request_id))
@@ -276,7 +276,7 @@ class PoolScheduler:
                     if self.fail_open and not isinstance(exc, StateStoreBusy):
                         future.set_result(None)
                     else:
-                        future.set_exception(_store_error(exc))
+                        future.set_exception(store_error(exc))
                 continue
             except Exception:
                 logger.exception("shared slot of pool %s", self.name)
@@ -372,10 +372,6 @@ class PoolScheduler:
     def p99(self) -> float | None:
         value = self.histogram.quantile(0.99)
         return None if value is None or math.isnan(value) else value
-
-
-def _store_error(exc: Exception) -> GatewayError:
-    return store_error(exc)
 
 
 def store_error(exc: Exception) -> GatewayError:
