@@ -32,7 +32,6 @@ from apps.gateway.state import (
     Offer,
     RateView,
     Reservation,
-    StateStoreBusy,
     StateStoreUnavailable,
 )
 from apps.gateway.usage import UsageAccumulator
@@ -186,7 +185,7 @@ class Admitter:
             await self.forget(_lost(limits, pool, request, quota))
             if not isinstance(exc, StateStoreUnavailable):
                 raise
-            if self.config.fail_open and not isinstance(exc, StateStoreBusy):
+            if self.config.fail_open and exc.may_fail_open:
                 return _unaccounted(limits, pool, request)
             raise store_error(exc) from None
 

@@ -226,7 +226,7 @@ class PoolScheduler:
                 grant = await self._try_slot(request_id)
             except StateStoreUnavailable as exc:
                 self.held.discard(request_id)
-                if self.fail_open and not isinstance(exc, StateStoreBusy):
+                if self.fail_open and exc.may_fail_open:
                     return
                 raise store_error(exc) from None
             except BaseException:
@@ -273,7 +273,7 @@ class PoolScheduler:
             except StateStoreUnavailable as exc:
                 self._gate.popleft()
                 if not future.done():
-                    if self.fail_open and not isinstance(exc, StateStoreBusy):
+                    if self.fail_open and exc.may_fail_open:
                         future.set_result(None)
                     else:
                         future.set_exception(store_error(exc))

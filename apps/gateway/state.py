@@ -45,10 +45,15 @@ EARLY_NOTICE_S = 30.0
 class StateStoreUnavailable(Exception):
     """The shared state store cannot be reached; the app answers 503 (or admits, if failing open)."""
 
+    # Whether GATEWAY_FAIL_OPEN may admit past it: only when the store is really away.
+    may_fail_open = True
+
 
 class StateStoreBusy(StateStoreUnavailable):
     """The store is there but this call could not be served in time (no connection of the pool came free,
     Redis busy running a script): never a reason to fail open, and a release that met it is tried again."""
+
+    may_fail_open = False
 
 
 @dataclass(slots=True)
