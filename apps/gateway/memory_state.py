@@ -153,6 +153,9 @@ class MemoryStateStore(GatewayStateStore):
         self.quotas.renew(request_ids, now + lease_s)
         return self.quotas.reap(now)
 
+    async def ping(self, *, timeout_s: float) -> None:
+        """In this process: it always answers."""
+
     async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
         return [self.quotas.standing(charge) for charge in charges]
 

@@ -196,10 +196,10 @@ class GatewayStateStore(ABC):
         that `records_usage` counts the tokens served under `usage` in the same step. The request's quota
         reservation is settled at what it used (given prompt, or as counted at admission, plus output)."""
 
+    @abstractmethod
     async def quota_leases(self, *, scope: str, request_ids: Sequence[str], lease_s: float) -> list[str]:
         """Renew the leases of these requests' quota holds in `scope`, then settle the holds whose lease
         lapsed at their whole amount (`QuotaBook.reap`); returns the ids settled."""
-        return []
 
     @abstractmethod
     async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
@@ -233,8 +233,9 @@ class GatewayStateStore(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    async def ping(self, *, timeout_s: float) -> None:  # noqa: B027 - optional hook
-        """Raise when the store does not answer within `timeout_s` (/readyz); an in-process store always does."""
+    @abstractmethod
+    async def ping(self, *, timeout_s: float) -> None:
+        """Raise when the store does not answer within `timeout_s` (/readyz)."""
 
     # --- usage counted in the store (shared stores: a gateway that dies loses none of it) --------------
 
