@@ -154,10 +154,10 @@ class ProcessLoops:
         gateway = self.gateway
         assert gateway.store is not None
         reaped = 0
-        pending = getattr(gateway, "accountant", None)
+        accountant = getattr(gateway, "accountant", None)  # made at start, with the loops
         try:
             for name in list(gateway.schedulers):
-                ids = gateway.in_flight.ids(name) + ([] if pending is None else pending.pending_ids(name))
+                ids = gateway.in_flight.ids(name) + ([] if accountant is None else accountant.pending_ids(name))
                 await gateway.store.leases_renew(pool=name, request_ids=ids)
                 await gateway.schedulers[name].renew_slots()
                 reaped += await gateway.store.leases_reap(pool=name)
