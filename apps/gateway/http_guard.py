@@ -20,26 +20,13 @@ import asyncio
 import logging
 from typing import Any
 
+from django.conf import settings
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS_S = {"SERVER_HEADER_TIMEOUT_S": 10.0, "SERVER_BODY_TIMEOUT_S": 30.0, "SERVER_WRITE_TIMEOUT_S": 30.0}
 # What h11 allows by default is 16 KiB; browsers and proxies stay well within 64 KiB.
 MAX_HEADER_BYTES = 64 * 1024
-
-
-def timeout_s(name: str) -> float:
-    try:
-        from django.conf import settings
-
-        return float(getattr(settings, name))
-    except Exception:  # settings not configured (a protocol built outside the site): the default
-        return DEFAULTS_S[name]
-
-
-def header_timeout_s() -> float:
-    return timeout_s("SERVER_HEADER_TIMEOUT_S")
 
 
 class Deadline:
@@ -71,20 +58,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_bytes = 0
-        self.header_timeout_s = header_timeout_s()
-        self.headers_deadline = Deadline(self, self.header_timeout_s, "no complete request headers")
-        self.body_deadline = Deadline(self, timeout_s("SERVER_BODY_TIMEOUT_S"), "no complete request body")
-        self.write_deadline = Deadline(self, timeout_s("SERVER_WRITE_TIMEOUT_S"), "the client read nothing")
-
-    def _deadlines(self) -> tuple[Deadline, Deadline, Deadline]:
-        return self.headers_deadline, self.body_deadline, self.write_deadline
+        self.headers_deadline = Deadline(self, settings.SERVER_HEADER_TIMEOUT_S, "no complete request headers")
+        self.body_deadline = Deadline(self, settings.SERVER_BODY_TIMEOUT_S, "no complete request body")
+        self.write_deadline = Deadline(self, settings.SERVER_WRITE_TIMEOUT_S, "the client read nothing")
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.headers_deadline.arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for deadline in self._deadlines():
+        for deadline in (self.headers_deadline, self.body_deadline, self.write_deadline):
             deadline.disarm()
         super().connection_lost(exc)
 
