@@ -12,11 +12,11 @@
    (`rate_limit_exceeded`), and KV bytes in flight stay within `chi_e`, with the same borrowing
    rule (`kv_cache_limit_exceeded`);
 5. pool contention (the request's SLO hints may loosen the entitlement's target and tier, never tighten
-   them: a client cannot raise its own priority): when the pool is full or saturated (saturation alone never turns away a dedicated or
-   guaranteed request within its reserved baseline), a request whose priority (1) does not
-   exceed the admission threshold (the minimum priority among admitted requests) is rejected
-   (`pool_contended`); one above it is queued for the next free slot ahead of lower priorities and
-   may evict in-flight preemptible work of lower priority.
+   them: a client cannot raise its own priority): when the pool is full or saturated (saturation alone
+   never turns away a dedicated or guaranteed request within its reserved baseline), a request whose
+   priority (1) does not exceed the admission threshold (the minimum priority among admitted requests) is
+   rejected (`pool_contended`); one above it is queued for the next free slot ahead of lower priorities
+   and may evict in-flight preemptible work of lower priority.
 
 Room in the pool is read two ways. Physical: slots and KV bytes nobody is using. Entitled: what this
 request may claim, where the idle reservations of other dedicated and guaranteed entitlements are
