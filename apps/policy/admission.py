@@ -87,6 +87,10 @@ CAPACITY_REASONS = frozenset(
 )
 
 
+# The longest an entitlement's queue may hold a request (10 minutes): a longer wait is a configuration error.
+MAX_QUEUE_WAIT_MS = 600_000.0
+
+
 def _optional_limit(name: str, value: float | None) -> float | None:
     return None if value is None else require_non_negative(name, value)
 
@@ -115,6 +119,10 @@ class EntitlementLimits:
     kv_bytes_per_token: float = 0.0
     state: EntitlementState | str = EntitlementState.BOUND
     tenant_id: str = ""
+    # The entitlement's own queue (requests over its own concurrency, token bucket or KV bytes wait there,
+    # first come first served): None takes the class's default (`ClassTraits.queue_max`, `queue_max_wait_ms`).
+    queue_max: int | None = None
+    queue_max_wait_ms: float | None = None
     # Derived once here because every decision needs them.
     _traits: ClassTraits = field(init=False, repr=False, compare=False)
     _tier: str = field(init=False, repr=False, compare=False)
@@ -138,6 +146,15 @@ class EntitlementLimits:
             high, low = getattr(self, ceiling), getattr(self, baseline)
             if high is not None and low is not None and high < low:
                 raise PolicyConfigError(f"{ceiling} ({high!r}) must be >= {baseline} ({low!r})")
+        if self.queue_max is not None and (
+            isinstance(self.queue_max, bool) or not isinstance(self.queue_max, int) or self.queue_max < 0
+        ):
+            raise PolicyConfigError(f"queue_max must be a non-negative integer or None, got {self.queue_max!r}")
+        wait = self.queue_max_wait_ms
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float)
+                                 or not 0 <= wait <= MAX_QUEUE_WAIT_MS):
+            raise PolicyConfigError(f"queue_max_wait_ms must be a number from 0 to {MAX_QUEUE_WAIT_MS:g} "
+                                    f"(10 minutes) or None, got {wait!r}")
         require_positive("slo_target_ms", self.slo_target_ms)
         require_positive("token_bucket_seconds", self.token_bucket_seconds)
         require_non_negative("kv_bytes_per_token", self.kv_bytes_per_token)
@@ -164,6 +181,17 @@ class EntitlementLimits:
     @property
     def tier(self) -> str:
         return self._tier
+
+    @property
+    def own_queue_max(self) -> int:
+        """How many requests over the entitlement's own limits may wait (0: refused at once)."""
+        return self._traits.queue_max if self.queue_max is None else self.queue_max
+
+    @property
+    def own_queue_wait_s(self) -> float:
+        """How long one of them may wait, in seconds."""
+        wait = self._traits.queue_max_wait_ms if self.queue_max_wait_ms is None else self.queue_max_wait_ms
+        return wait / 1000.0
 
     def reserved_concurrency(self) -> int:
         return (self.concurrency or 0) if self.traits.reserved else 0

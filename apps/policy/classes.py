@@ -75,6 +75,10 @@ class ClassTraits:
     default_slo_tier: SloTier
     # The class's integer share of a pool's dispatch budget when every flow is backlogged (seed 002's DRR).
     drr_weight: int
+    # The entitlement's own queue unless it sets one: how many requests over its own limits may wait, and how
+    # long (0: refused at once).
+    queue_max: int = 0
+    queue_max_wait_ms: float = 0.0
 
     @property
     def reserved(self) -> bool:
@@ -123,10 +127,11 @@ class ServiceClass(enum.StrEnum):
 
 
 CLASS_TRAITS: dict[ServiceClass, ClassTraits] = {
-    # base weight, baseline, may burst, shrink, default SLO tier, DRR weight
-    ServiceClass.DEDICATED: ClassTraits(1000.0, Baseline.RESERVED, True, Shrink.NEVER, SloTier.CRITICAL, 8),
-    ServiceClass.GUARANTEED: ClassTraits(1000.0, Baseline.RESERVED, False, Shrink.NEVER, SloTier.CRITICAL, 8),
-    ServiceClass.ELASTIC: ClassTraits(100.0, Baseline.TIME_AVERAGED, True, Shrink.YES, SloTier.STANDARD, 4),
+    # base weight, baseline, may burst, shrink, default SLO tier, DRR weight, queue max, queue max wait (ms)
+    ServiceClass.DEDICATED: ClassTraits(1000.0, Baseline.RESERVED, True, Shrink.NEVER, SloTier.CRITICAL, 8, 8, 1000.0),
+    ServiceClass.GUARANTEED: ClassTraits(1000.0, Baseline.RESERVED, False, Shrink.NEVER, SloTier.CRITICAL, 8, 8,
+                                         1000.0),
+    ServiceClass.ELASTIC: ClassTraits(100.0, Baseline.TIME_AVERAGED, True, Shrink.YES, SloTier.STANDARD, 4, 4, 1000.0),
     ServiceClass.SPOT: ClassTraits(1.0, Baseline.NONE, True, Shrink.YES, SloTier.SHEDDABLE, 1),
     ServiceClass.PREEMPTIBLE: ClassTraits(0.1, Baseline.NONE, True, Shrink.EVICT, SloTier.BACKGROUND, 1),
 }
