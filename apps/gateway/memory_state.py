@@ -133,9 +133,9 @@ class MemoryStateStore(GatewayStateStore):
         ledger = self._ledgers.get(pool)
         if ledger is None:
             return []
-        expired = ledger.expire_waiting(self.clock.now())
-        self._notify(gone=expired)
-        return expired
+        result = ledger.wake(self.clock.now())
+        self._notify(started=result.started, gone=result.expired)
+        return list(result.expired)
 
     async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
         # Each ledger knows its pool's entitlements (kept in step with the snapshot).

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import math
 import random
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -61,7 +62,7 @@ from apps.policy import (
     PoolUsage,
     admit,
 )
-from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, Reason
+from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, OWN_LIMIT_REASONS, Reason
 from apps.policy.ledger import (
     OUTCOME_CANCELLED,
     OUTCOME_COMPLETED,
@@ -71,12 +72,15 @@ from apps.policy.ledger import (
     quota_refusal,
 )
 from apps.policy.priority import DynamicsConfig
+from apps.policy.queues import FULL, full_decision, offered_priority, own_queue_route, own_retry_s, queued_decision
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
 from apps.policy.window import WindowFigures, WindowReading, window_reading
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "tp:gw:"
+# COMMIT's mode for a request that joins its entitlement's queue (it reads as `waiting` afterwards).
+QUEUED = "queued"
 EVENTS = "tp:gw:events"
 MAX_ATTEMPTS = 12
 CAS_BACKOFF_S = 0.0005
@@ -144,6 +148,16 @@ def _bucket_args(limits: EntitlementLimits) -> tuple[str, str]:
     return ("-1", "0") if capacity is None else (repr(float(capacity)), repr(float(limits.tokens_per_second or 0.0)))
 
 
+def _queue_args(limits: EntitlementLimits) -> str:
+    """What the Redis scripts let an entitlement's queue go by (`own_fits` in machine.lua), one argument."""
+    def value(x: float | None) -> str:
+        return "-1" if x is None else repr(float(x))
+
+    return " ".join((value(limits.concurrency), value(limits.burst_concurrency), value(limits.kv_bytes),
+                     value(limits.burst_kv_bytes), "1" if limits.traits.may_burst else "0",
+                     repr(float(limits.own_queue_wait_s))))
+
+
 def _reserved_args(pool: PoolInfo) -> tuple[int, list[str]]:
     """The pool's reservations as script arguments, and a signature that says when they changed (computed
     once per snapshot of the pool: every offer passes them)."""
@@ -207,6 +221,10 @@ class RedisStateStore(GatewayStateStore):
     def _now(self) -> str:
         return "" if self.clock is None else repr(float(self.clock.now()))
 
+    def _clock_now(self) -> float:
+        """This process's reading of the store's clock (Retry-After estimates; Redis keeps its own time)."""
+        return time.time() if self.clock is None else float(self.clock.now())
+
     async def _call(self, name: str, keys: list[str], args: Sequence[Any]) -> Any:
         return await self._redis(self._fcall(f"tp_{self._version}_{name}", keys, args))
 
@@ -239,7 +257,9 @@ class RedisStateStore(GatewayStateStore):
         self._notify(started=started)
 
     async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float,
-                        ) -> tuple[EntitlementUsage, PoolUsage, str]:
+                        ) -> tuple[EntitlementUsage, PoolUsage, str, int, float | None]:
+        """The decision's snapshot, the pool's version, the entitlement's queue length and the start of its
+        oldest running request."""
         _, pairs = _reserved_args(pool)
         raw = (await self._call("read", [self._base(pool.name)],
                                 [self._now(), limits.entitlement_id, *_bucket_args(limits), *pairs])).split(" ")
@@ -263,7 +283,7 @@ class RedisStateStore(GatewayStateStore):
             evictable_running=int(_float(raw[13])),
             evictable_kv_bytes=_float(raw[14]),
         )
-        return usage, pool_usage, raw[15]
+        return usage, pool_usage, raw[15], int(_float(raw[16])), float(raw[17]) if raw[17] != "" else None
 
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
@@ -350,8 +370,19 @@ class RedisStateStore(GatewayStateStore):
         # empty and the request starts at once): the common path then costs no round trip of its own.
         slot_args = ["", "0"] if slot is None else [str(max(0, slot.capacity)), repr(float(slot.lease_s))]
         for attempt in range(MAX_ATTEMPTS):
-            usage, pool_usage, version = await self._snapshot(limits, pool, saturation)
+            usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(limits, pool, saturation)
             decision = admit(limits, usage, pool_usage, request, self.config)
+            mode = RUNNING if decision.admitted else WAITING
+            route = own_queue_route(limits, decision, queue_length)
+            if route is not None or (not decision.admitted and not decision.queued
+                                     and decision.retryable and decision.reason in OWN_LIMIT_REASONS):
+                retry_s = own_retry_s(decision, oldest_start, self._clock_now(), self.config.expected_service_s)
+                if route is None or route == FULL:
+                    decision = full_decision(decision, retry_s) if route == FULL else decision._replace(
+                        retry_after_s=retry_s)
+                else:
+                    priority = offered_priority(limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config)
+                    decision, mode = queued_decision(decision, priority, retry_s), QUEUED
             if not decision.admitted and not decision.queued:
                 if decision.reason in CAPACITY_REASONS:
                     await self._call("refuse", [self._base(pool.name)],
@@ -360,10 +391,11 @@ class RedisStateStore(GatewayStateStore):
             raw = await self._call(
                 "commit", [self._base(pool.name), *self._slot_keys(pool.name)],
                 [self._now(), version, request.request_id, limits.entitlement_id,
-                 RUNNING if decision.admitted else WAITING, repr(decision.priority), decision.token_cost,
+                 mode, repr(decision.priority), decision.token_cost,
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
-                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), *slot_args, signature, *pairs],
+                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), *slot_args, signature,
+                 _queue_args(limits), *pairs],
             )
             if int(raw[0]) == 1:
                 return self._committed(limits, pool, request, decision, raw)
@@ -418,8 +450,9 @@ class RedisStateStore(GatewayStateStore):
         return ReleaseResult(str(raw[0]), tuple(raw[1]), _float(raw[2]))
 
     async def expire(self, *, pool: str) -> list[str]:
-        expired = list(await self._call("expire", [self._base(pool)], [self._now()]))
-        self._notify(gone=expired)
+        raw = await self._call("expire", [self._base(pool)], [self._now()])
+        expired = [str(request_id) for request_id in raw[0]]
+        self._notify(started=[str(request_id) for request_id in raw[1]], gone=expired)
         return expired
 
     async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
@@ -451,7 +484,7 @@ class RedisStateStore(GatewayStateStore):
 
     async def entitlement_usage(self, *, limits: EntitlementLimits, pool: str) -> EntitlementUsage:
         info = PoolInfo(pool, "-", (), 0, 0.0, 0, 1)
-        usage, _pool, _version = await self._snapshot(limits, info, 0.0)
+        usage, _pool, _version, _queued, _oldest = await self._snapshot(limits, info, 0.0)
         return usage
 
     async def record_fields(self, *, pool: str, field: str, records: Sequence[str]) -> list[Any]:

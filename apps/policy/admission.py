@@ -73,6 +73,9 @@ class Reason(enum.StrEnum):
     KV_CACHE_LIMIT_EXCEEDED = "kv_cache_limit_exceeded"
     POOL_CONTENDED = "pool_contended"
     QUOTA_EXCEEDED = "quota_exceeded"
+    # The entitlement's own queue was full, or a request waited in it `queue_max_wait_ms` without fitting.
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
 
 
 # Rejections that describe scarcity (the caller wanted capacity and did not get it); these count
@@ -89,6 +92,12 @@ CAPACITY_REASONS = frozenset(
 
 # The longest an entitlement's queue may hold a request (10 minutes): a longer wait is a configuration error.
 MAX_QUEUE_WAIT_MS = 600_000.0
+
+
+# Refusals by the entitlement's own limits: a request refused only by one of them may wait in its queue.
+OWN_LIMIT_REASONS = frozenset(
+    {Reason.CONCURRENCY_LIMIT_EXCEEDED, Reason.RATE_LIMIT_EXCEEDED, Reason.KV_CACHE_LIMIT_EXCEEDED}
+)
 
 
 def _optional_limit(name: str, value: float | None) -> float | None:
@@ -295,6 +304,11 @@ class AdmissionDecision(NamedTuple):
     borrowed: bool = False
     slo_tier: str = ""
     check: int = 0
+
+    @property
+    def own_queue(self) -> bool:
+        """Waiting in the entitlement's own queue (over its own limits), not in the pool's waiting room."""
+        return self.queued and self.check in (3, 4)
 
     @property
     def outcome(self) -> str:
@@ -529,3 +543,4 @@ def admit(
         kv_bytes=kv_needed,
         slo_tier=tier,
     )
+

@@ -6,10 +6,22 @@ Every request offered ends in exactly one outcome:
       │
       ├──> running ──> completed                         (release: unused tokens refunded, waiters start)
       │       └──────> evicted                           (preemptible work making room; output refunded)
-      └──> waiting ──> running                           (a release, eviction or capacity change made room,
-              │                                          highest priority first, then arrival order)
-              ├──────> expired                           (waited `wait_timeout_s`, the acquire timeout)
-              └──────> cancelled                         (the client went away; the whole charge refunded)
+      ├──> waiting ──> running                           (a release, eviction or capacity change made room,
+      │       │                                          highest priority first, then arrival order)
+      │       ├──────> expired                           (waited `wait_timeout_s`, the acquire timeout)
+      │       └──────> cancelled                         (the client went away; the whole charge refunded)
+      └──> queued ───> running | waiting                 (its entitlement's own limits let it go: a release, a
+              │                                          bucket refill, new limits; first come first served)
+              ├──────> expired                           (waited `queue_max_wait_ms`: queue_timeout)
+              └──────> cancelled                         (the client went away)
+
+A request refused only by its entitlement's own concurrency, token bucket or KV bytes (checks 3 and 4) waits
+in the entitlement's queue (`EntitlementLimits.own_queue_max`, default by class; a full queue refuses it at
+once with queue_full), and so does every request offered while that queue is not empty (first come first
+served). A queued request holds nothing but its quota reservation: no slot, no tokens, no KV bytes. The head
+leaves the queue when `within_own_limits` says its entitlement has room, then starts or waits in the pool's
+waiting room by the priority it was offered at (a request leaving the queue evicts nobody); `next_wake`
+says when a bucket refill or a deadline needs `wake`.
 
 A request under quotas (`apps.policy.quota`) first reserves its prompt plus `max_tokens` in the shared
 `QuotaBook` (refused: rejected with quota_exceeded, before the five checks); the reservation is refunded
@@ -30,13 +42,13 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from apps.policy.admission import (
     CAPACITY_REASONS,
     DEFAULT_ADMISSION_CONFIG,
+    OWN_LIMIT_REASONS,
     AdmissionConfig,
     AdmissionDecision,
     AdmissionRequest,
@@ -51,6 +63,15 @@ from apps.policy.bucket import TokenBucket
 from apps.policy.errors import PolicyConfigError, require_non_negative
 from apps.policy.ledger_records import RUNNING, WAITING, EntitlementRecord, RequestRecord, check_invariants
 from apps.policy.priority import Dynamics, DynamicsConfig
+from apps.policy.queues import (
+    FULL,
+    full_decision,
+    offered_priority,
+    own_queue_route,
+    own_retry_s,
+    queued_decision,
+    within_own_limits,
+)
 from apps.policy.quota import QuotaBook, QuotaClaim, QuotaVerdict
 from apps.policy.window import MIN_TICK_WINDOW_S, WindowReading, window_reading
 
@@ -75,6 +96,7 @@ __all__ = [
     "LedgerCounters",
     "LedgerResult",
     "ReleaseResult",
+    "WakeResult",
 ]
 
 
@@ -88,6 +110,12 @@ class LedgerResult:
     evicted: tuple[str, ...] = ()
     # Where the request's quotas stand after the offer (None: no quota applies).
     quota: QuotaVerdict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WakeResult:
+    started: tuple[str, ...] = ()
+    expired: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +198,12 @@ class AdmissionLedger:
         self._priority_heap: list[float] = []
         self._evictable_heap: list[tuple[float, int, str]] = []
         self._waiting_heap: list[tuple[float, int, str]] = []
-        # Waiting requests in arrival order: with one timeout for all, the oldest expire first.
-        self._waiting_fifo: deque[RequestRecord] = deque()
+        # Waiting and queued requests by deadline (the pool's acquire timeout, the entitlement's queue wait).
+        self._deadlines: list[tuple[float, int, str]] = []
         self._waiting_count = 0
+        self._queued_count = 0
+        # Entitlements whose queue holds requests.
+        self._queued_ents: dict[str, EntitlementRecord] = {}
         self._seq = 0
         self._last_tick = now
 
@@ -213,9 +244,9 @@ class AdmissionLedger:
         record = self._entitlements.get(entitlement_id)
         if record is None:
             return
-        if record.in_flight:
+        if record.in_flight or record.queue:
             raise PolicyConfigError(
-                f"entitlement {entitlement_id!r} still has {record.in_flight} requests in flight; "
+                f"entitlement {entitlement_id!r} still has {record.in_flight + len(record.queue)} requests in flight; "
                 "mark it expired and remove it once they finish"
             )
         self.reserved_idle_slots -= record.idle_slots
@@ -324,6 +355,14 @@ class AdmissionLedger:
     def waiting(self) -> int:
         return self._waiting_count
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting in their entitlements' own queues."""
+        return self._queued_count
+
+    def queue_depths(self) -> dict[str, int]:
+        return {key: len(record.queue) for key, record in self._queued_ents.items()}
+
     def request_state(self, request_id: str) -> str | None:
         request = self._requests.get(request_id)
         return None if request is None else request.state
@@ -360,7 +399,12 @@ class AdmissionLedger:
                                         retryable=False, check=0)
             )
         decision = admit(record.limits, self.usage(entitlement_id, now), self.pool_usage(), request, self.config)
+        route = own_queue_route(record.limits, decision, len(record.queue))
+        if route is not None:
+            return self._enqueue(record, request, decision, now, full=route == FULL)
         if not decision.admitted and not decision.queued:
+            if decision.retryable and decision.reason in OWN_LIMIT_REASONS:
+                decision = decision._replace(retry_after_s=self._own_retry_s(record, decision, now))
             return self._rejected(record, decision)
 
         self._seq += 1
@@ -377,16 +421,47 @@ class AdmissionLedger:
             return LedgerResult(decision, started=(entry.request_id,))
 
         counters.queued += 1
-        entry.state = WAITING
-        self._waiting_count += 1
-        heapq.heappush(self._waiting_heap, (-entry.priority, entry.seq, entry.request_id))
-        self._waiting_fifo.append(entry)
+        self._wait(entry, now + self.config.wait_timeout_s)
         evicted: list[str] = []
         started: list[str] = []
         if decision.evict:
             evicted, started = self._evict_for(entry, now)
         started.extend(self._drain(now))
         return LedgerResult(decision, started=tuple(started), evicted=tuple(evicted))
+
+    def _wait(self, entry: RequestRecord, deadline: float) -> None:
+        """offered | queued -> waiting: in the pool's waiting room, by priority."""
+        entry.state = WAITING
+        self._waiting_count += 1
+        heapq.heappush(self._waiting_heap, (-entry.priority, entry.seq, entry.request_id))
+        if deadline != entry.deadline:
+            entry.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, entry.seq, entry.request_id))
+
+    def _enqueue(self, record: EntitlementRecord, request: AdmissionRequest, decision: AdmissionDecision,
+                 now: float, *, full: bool) -> LedgerResult:
+        """offered -> queued in the entitlement's own queue (holding nothing), or queue_full."""
+        limits = record.limits
+        retry_after_s = self._own_retry_s(record, decision, now)
+        if full:
+            return self._rejected(record, full_decision(decision, retry_after_s))
+        dynamics = record.dynamics
+        priority = offered_priority(limits, request, self._mean_slo_ms, dynamics.burst, dynamics.debt, self.config)
+        queued = queued_decision(decision, priority, retry_after_s)
+        self._seq += 1
+        entry = RequestRecord(request.request_id, record, queued, request.input_tokens, now, self._seq)
+        entry.state, entry.own, entry.request = WAITING, True, request
+        entry.deadline = now + limits.own_queue_wait_s
+        heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry.request_id))
+        self._requests[entry.request_id] = entry
+        record.queue.append(entry)
+        self._queued_ents[limits.entitlement_id] = record
+        self._queued_count += 1
+        self.counters.queued += 1
+        return LedgerResult(queued)
+
+    def _own_retry_s(self, record: EntitlementRecord, decision: AdmissionDecision, now: float) -> float:
+        return own_retry_s(decision, next(iter(record.starts.values()), None), now, self.config.expected_service_s)
 
     def _request_under_quota(self, entitlement_id: str, request: AdmissionRequest, now: float,
                              limits: EntitlementLimits | None, quota: QuotaClaim) -> LedgerResult:
@@ -417,6 +492,10 @@ class AdmissionLedger:
         if entry is None:
             self.quotas.settle(request_id, _count(prompt_tokens, 0), _count(output_tokens, 0))
             return ReleaseResult(OUTCOME_UNKNOWN)
+        if entry.own:
+            self._leave_queue(entry)
+            self.counters.cancelled += 1
+            return ReleaseResult(OUTCOME_CANCELLED, self._drain(now))
         if entry.state == WAITING:
             refunded = self._finish_waiting(entry, now)
             self.counters.cancelled += 1
@@ -434,24 +513,44 @@ class AdmissionLedger:
         return ReleaseResult(OUTCOME_COMPLETED, self._drain(now), refund)
 
     def expire_waiting(self, now: float) -> list[str]:
-        """Reject requests that waited longer than `wait_timeout_s`; their charge is refunded."""
-        timeout = self.config.wait_timeout_s
-        fifo = self._waiting_fifo
-        expired: list[RequestRecord] = []
-        while fifo:
-            entry = fifo[0]
-            if entry.state != WAITING or self._requests.get(entry.request_id) is not entry:
-                fifo.popleft()  # started or cancelled since
-                continue
-            if now - entry.enqueued_at < timeout:
-                break
-            fifo.popleft()
-            expired.append(entry)
-        for entry in expired:
-            self._finish_waiting(entry, now)
+        """`wake`, returning the requests it turned away."""
+        return list(self.wake(now).expired)
+
+    def wake(self, now: float) -> WakeResult:
+        """Turn away the requests whose wait reached its deadline (the pool's acquire timeout for the waiting
+        room, the entitlement's `queue_max_wait_ms` for its queue: queue_timeout), refunding what they held,
+        then let queued requests go whose entitlement has room now (a bucket refilled)."""
+        heap = self._deadlines
+        expired: list[str] = []
+        while heap and heap[0][0] <= now:
+            _, seq, request_id = heapq.heappop(heap)
+            entry = self._requests.get(request_id)
+            if entry is None or entry.state != WAITING or entry.seq != seq:
+                continue  # started, cancelled or moved since
+            if entry.own:
+                self._leave_queue(entry)
+            else:
+                self._finish_waiting(entry, now)
             entry.entitlement.window.count_refusal(entry.cost, entry.kv)
             self.counters.expired += 1
-        return [entry.request_id for entry in expired]
+            expired.append(request_id)
+        return WakeResult(self._drain(now), tuple(expired))
+
+    def next_wake(self, now: float) -> float:
+        """The next time `wake` has something to do: a deadline, or a queue head's bucket refilled to its
+        cost (math.inf: nothing; a release wakes queues blocked by concurrency or KV bytes)."""
+        heap = self._deadlines
+        while heap and ((entry := self._requests.get(heap[0][2])) is None or entry.state != WAITING
+                        or entry.seq != heap[0][1]):
+            heapq.heappop(heap)
+        at = heap[0][0] if heap else math.inf
+        for record in self._queued_ents.values():
+            bucket = record.bucket
+            if bucket is not None and record.queue and bucket.refill_rate > 0:
+                missing = record.queue[0].cost - bucket.level(now)
+                if missing > 0:
+                    at = min(at, now + missing / bucket.refill_rate)
+        return at
 
     def evict(self, request_id: str, now: float) -> ReleaseResult:
         """Terminate a running request (preemption); its unproduced output is refunded."""
@@ -482,6 +581,7 @@ class AdmissionLedger:
         if entry.state == WAITING:
             self._waiting_count -= 1
         entry.state = RUNNING
+        record.starts[entry.request_id] = now
         self._seq += 1
         entry.seq = self._seq  # dispatch order: newest dispatch is evicted first among equals
         record.running += 1
@@ -503,6 +603,7 @@ class AdmissionLedger:
     def _stop(self, entry: RequestRecord, now: float) -> None:
         record = entry.entitlement
         record.accumulate(now)
+        record.starts.pop(entry.request_id, None)
         record.running -= 1
         record.kv_running -= entry.kv
         record.in_flight -= 1
@@ -540,6 +641,24 @@ class AdmissionLedger:
                 and request.state == WAITING and request.seq == item[1]
             ]
             heapq.heapify(self._waiting_heap)
+        if len(self._deadlines) > 2 * (self._waiting_count + self._queued_count) + 64:
+            self._deadlines = [
+                item for item in self._deadlines
+                if (request := self._requests.get(item[2])) is not None
+                and request.state == WAITING and request.seq == item[1]
+            ]
+            heapq.heapify(self._deadlines)
+
+    def _leave_queue(self, entry: RequestRecord) -> None:
+        """queued -> gone (cancelled or expired): it held nothing but its quota reservation."""
+        record = entry.entitlement
+        record.queue.remove(entry)
+        if not record.queue:
+            self._queued_ents.pop(record.limits.entitlement_id, None)
+        entry.state = OUTCOME_CANCELLED
+        self._queued_count -= 1
+        self.quotas.refund(entry.request_id)
+        del self._requests[entry.request_id]
 
     def _finish_waiting(self, entry: RequestRecord, now: float) -> float:
         record = entry.entitlement
@@ -623,7 +742,45 @@ class AdmissionLedger:
         return evicted, list(self._drain(now))
 
     def _drain(self, now: float) -> tuple[str, ...]:
-        """Start waiting requests, highest priority first, while the pool has room for them."""
+        """Start waiting requests, highest priority first, while the pool has room for them; then let the
+        entitlements' queues go, oldest head first."""
+        started = self._drain_waiting(now)
+        if self._queued_ents:
+            started += self._drain_queues(now)
+        return tuple(started)
+
+    def _drain_queues(self, now: float) -> list[str]:
+        started: list[str] = []
+        for record in sorted(self._queued_ents.values(), key=lambda r: r.queue[0].seq):
+            while record.queue:
+                entry = record.queue[0]
+                limits = record.limits
+                if limits.state is not EntitlementState.BOUND:
+                    break  # it may bind again before the deadline; else it expires
+                fits = self._fits(entry)
+                if not within_own_limits(limits, self.usage(limits.entitlement_id, now), entry.cost, entry.kv, fits):
+                    break
+                if not fits and entry.priority <= self.admission_threshold():
+                    break
+                # queued -> charged like an offer (bucket, in flight, KV bytes), then started or waiting
+                record.queue.popleft()
+                self._queued_count -= 1
+                entry.own, entry.request, entry.state = False, None, ""
+                if record.bucket is not None:
+                    record.bucket.try_consume(entry.cost, now)
+                record.accumulate(now)
+                record.in_flight += 1
+                record.kv_in_flight += entry.kv
+                if fits:
+                    self._start(entry, now)
+                    started.append(entry.request_id)
+                else:
+                    self._wait(entry, entry.deadline)
+            if not record.queue:
+                self._queued_ents.pop(record.limits.entitlement_id, None)
+        return started
+
+    def _drain_waiting(self, now: float) -> list[str]:
         heap = self._waiting_heap
         started: list[str] = []
         while heap:
@@ -637,7 +794,7 @@ class AdmissionLedger:
             heapq.heappop(heap)
             self._start(entry, now)
             started.append(request_id)
-        return tuple(started)
+        return started
 
     # -- the EWMA tick (debt and burst) --------------------------------------------------------
 

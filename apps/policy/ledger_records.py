@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import TYPE_CHECKING
 
-from apps.policy.admission import AdmissionDecision, EntitlementLimits
+from apps.policy.admission import AdmissionDecision, AdmissionRequest, EntitlementLimits
 from apps.policy.bucket import TokenBucket
 from apps.policy.priority import Dynamics
 from apps.policy.window import ServiceWindow
@@ -32,6 +33,8 @@ class EntitlementRecord:
         "idle_slots",
         "idle_kv",
         "window",
+        "queue",
+        "starts",
     )
 
     def __init__(self, limits: EntitlementLimits, now: float) -> None:
@@ -47,6 +50,10 @@ class EntitlementRecord:
         self.idle_slots = 0
         self.idle_kv = 0.0
         self.window = ServiceWindow(now)
+        # Requests over the entitlement's own limits, first come first served; they hold nothing.
+        self.queue: deque[RequestRecord] = deque()
+        # Running requests by start time, oldest first (the earliest expected end of Retry-After).
+        self.starts: dict[str, float] = {}
 
     def accumulate(self, now: float) -> None:
         """Integrate the current levels up to `now` (call before changing them)."""
@@ -76,6 +83,9 @@ class RequestRecord:
         "state",
         "enqueued_at",
         "seq",
+        "deadline",
+        "own",
+        "request",
     )
 
     def __init__(
@@ -93,6 +103,12 @@ class RequestRecord:
         self.state = ""
         self.enqueued_at = now
         self.seq = seq
+        # When a wait ends in expiry (set when the request starts waiting).
+        self.deadline = math.inf
+        # Waiting in its entitlement's own queue (holding nothing), not in the pool's waiting room.
+        self.own = False
+        # The request as offered, kept while it waits in its entitlement's queue.
+        self.request: AdmissionRequest | None = None
 
 
 def check_invariants(ledger: AdmissionLedger) -> None:
@@ -105,7 +121,9 @@ def check_invariants(ledger: AdmissionLedger) -> None:
     assert c.offered == closed + in_flight, (c, in_flight)
     running = [r for r in requests.values() if r.state == RUNNING]
     assert ledger.running == len(running)
-    assert ledger.waiting == sum(1 for r in requests.values() if r.state == WAITING)
+    assert ledger.waiting == sum(1 for r in requests.values() if r.state == WAITING and not r.own)
+    assert ledger.queued == sum(1 for r in requests.values() if r.own)
+    held = {key: r for key, r in requests.items() if not r.own}
     assert ledger.evictable_running == sum(1 for r in running if r.evictable)
     assert math.isclose(ledger.evictable_kv, sum(r.kv for r in running if r.evictable), abs_tol=1e-6)
     assert math.isclose(ledger.kv_running, sum(r.kv for r in running), abs_tol=1e-6)
@@ -114,7 +132,10 @@ def check_invariants(ledger: AdmissionLedger) -> None:
     reserved = [record.reserved_idle() for record in entitlements.values()]
     assert ledger.reserved_idle_slots == sum(slots for slots, _ in reserved)
     for key, record in entitlements.items():
-        mine = [r for r in requests.values() if r.entitlement is record]
+        mine = [r for r in held.values() if r.entitlement is record]
+        assert list(record.queue) == sorted((r for r in requests.values() if r.own and r.entitlement is record),
+                                            key=lambda r: r.seq), key
+        assert set(record.starts) == {r.request_id for r in mine if r.state == RUNNING}, key
         assert record.in_flight == len(mine), key
         assert record.running == sum(1 for r in mine if r.state == RUNNING), key
         assert math.isclose(record.kv_in_flight, sum(r.kv for r in mine), abs_tol=1e-6), key

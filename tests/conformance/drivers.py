@@ -34,6 +34,7 @@ from tests.conformance.scenarios import (
     QuotaLeases,
     QuotaState,
     Scenario,
+    State,
     Tick,
     Usage,
 )
@@ -153,6 +154,8 @@ class LedgerDriver:
             for rid in expired:  # the gateway releases an expired waiter too (a no-op for the ledger)
                 ledger.release(rid, now, output_tokens=0, prompt_tokens=0)
             return {"expired": expired}
+        if isinstance(step, State):
+            return {"state": ledger.request_state(step.rid) or "gone"}
         if isinstance(step, Tick):
             return tick_figures(ledger.tick_readings(now) or {})
         if isinstance(step, Usage):
@@ -224,6 +227,8 @@ class StoreDriver:
             for rid in expired:  # as the gateway does: a waiter that expired is released with nothing used
                 await store.release(reservation=self.reservations[rid], prompt_tokens=0, completion_tokens=0)
             return {"expired": expired}
+        if isinstance(step, State):
+            return {"state": await store.request_state(reservation=self.reservations[step.rid]) or "gone"}
         if isinstance(step, Tick):
             return tick_figures(await store.tick(entitlements={POOL: tuple(self.limits.values())}))
         if isinstance(step, Usage):

@@ -94,6 +94,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class State:
+    """Where one request stands in the state machine: running, waiting (the pool's room or its entitlement's
+    queue), or gone."""
+
+    rid: str
+    expect: str | None = None
+
+
+@dataclass(frozen=True)
 class NewWindow:
     """The quotas' calendar window rolls over: every charge names `window_id` from now on."""
 
@@ -138,7 +147,10 @@ def quota(key: str, limit: float, seed: float = 0.0, **weights: float) -> QuotaC
 
 
 def ent(name: str, service_class: str, **fields: Any) -> EntitlementLimits:
+    """An entitlement; without a queue unless the scenario gives one (these scenarios test the checks' own
+    refusals; the queue scenarios set `queue_max`)."""
     fields.setdefault("slo_target_ms", 1000.0)
+    fields.setdefault("queue_max", 0)
     return EntitlementLimits(entitlement_id=name, service_class=service_class, **fields)
 
 
@@ -152,6 +164,94 @@ def _debt_rises_then_decays(trace: list[dict[str, Any]]) -> None:
     assert 0 < rising[0] < rising[1] < rising[2], debts
     assert falling[0] < rising[2] and all(b < a for a, b in zip(falling, falling[1:], strict=False)), debts
     assert falling[-1] < 0.5 * rising[2], debts
+
+
+QUEUE_SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "queue: a wait on its own concurrency, first come first served, a full queue, started by releases",
+        Pool(slots=8),
+        (ent("chat", "guaranteed", concurrency=1, queue_max=2, queue_max_wait_ms=2000.0),),
+        (
+            Offer("a", "chat", expect="running"),
+            At(0.25),
+            Offer("b", "chat", expect="waiting", reason="queued"),
+            Offer("c", "chat", expect="waiting", reason="queued"),
+            Offer("d", "chat", expect="rejected", reason="queue_full"),
+            Usage("chat", in_flight=1, running=1),
+            At(0.5),
+            Complete("a", output=5, started=("b",)),
+            State("c", expect="waiting"),
+            Complete("b", output=5, started=("c",)),
+            Complete("c", output=5, started=()),
+            Usage("chat", in_flight=0, running=0),
+        ),
+    ),
+    Scenario(
+        "queue: a wait on its token bucket, woken at the refill time",
+        Pool(slots=8),
+        (ent("rated", "guaranteed", tokens_per_second=10.0, token_bucket_seconds=10.0, queue_max=4,
+             queue_max_wait_ms=10_000.0),),
+        (
+            Offer("r1", "rated", 40, 40, expect="running"),
+            Offer("r2", "rated", 40, 40, expect="waiting", reason="queued"),
+            Usage("rated", in_flight=1, tokens=20.0),
+            At(5.5),
+            Expire(expect=()),
+            State("r2", expect="waiting"),
+            At(6.0),
+            Expire(expect=()),
+            State("r2", expect="running"),
+            Usage("rated", in_flight=2, running=2, tokens=0.0),
+            Complete("r1", output=40),
+            Complete("r2", output=40),
+        ),
+    ),
+    Scenario(
+        "queue: a wait on its KV bytes, then its wait times out; a cancelled waiter leaves nothing",
+        Pool(slots=8),
+        (ent("kv", "guaranteed", concurrency=4, kv_bytes=100.0, kv_bytes_per_token=2.0, queue_max=2,
+             queue_max_wait_ms=500.0),),
+        (
+            Offer("k1", "kv", 10, 20, expect="running"),
+            Offer("k2", "kv", 10, 20, expect="waiting", reason="queued"),
+            At(0.25),
+            Offer("k3", "kv", 10, 20, expect="waiting", reason="queued"),
+            At(0.5),
+            Expire(expect=("k2",)),
+            Cancel("k3"),
+            Usage("kv", in_flight=1, running=1),
+            Complete("k1", output=20, started=()),
+            Usage("kv", in_flight=0, running=0),
+        ),
+    ),
+    Scenario(
+        "queue: in a full pool, its own release frees the head's slot; a lower class is refused meanwhile",
+        Pool(slots=2),
+        (ent("chat", "guaranteed", concurrency=1, queue_max=2, queue_max_wait_ms=2000.0),
+         ent("filler", "elastic", concurrency=2)),
+        (
+            Offer("a", "chat", expect="running"),
+            Offer("f1", "filler", expect="running"),
+            Offer("b", "chat", expect="waiting", reason="queued"),
+            Offer("f2", "filler", expect="rejected", reason="pool_contended"),
+            Complete("a", output=5, started=("b",)),
+            Complete("f1", output=5),
+            Complete("b", output=5),
+        ),
+    ),
+    Scenario(
+        "queue: spot has none; its refusal's Retry-After is the earliest expected end of its running requests",
+        Pool(slots=8),
+        (ent("cheap", "spot", concurrency=1, burst_concurrency=1, queue_max=None),),
+        (
+            At(2.0),
+            Offer("s1", "cheap", expect="running"),
+            At(2.25),
+            Offer("s2", "cheap", expect="rejected", reason="concurrency_limit_exceeded"),
+            Complete("s1", output=5),
+        ),
+    ),
+)
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -466,4 +566,5 @@ SCENARIOS: tuple[Scenario, ...] = (
         quotas=(("chat", (quota("entitlement:chat", 1000.0),)),),
         quota_lease_s=2.0,
     ),
+    *QUEUE_SCENARIOS,
 )

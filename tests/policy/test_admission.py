@@ -237,7 +237,7 @@ def test_limits_validation(bad: dict[str, object]) -> None:
 
 def test_ledger_charges_refunds_and_conserves() -> None:
     ledger = AdmissionLedger(concurrency_capacity=8)
-    ledger.upsert_entitlement(limits(tokens_per_second=10, token_bucket_seconds=10), now=0)  # bucket 100
+    ledger.upsert_entitlement(limits(tokens_per_second=10, token_bucket_seconds=10, queue_max=0), now=0)  # bucket 100
     first = ledger.request("e1", request(n_in=20, max_tokens=60, request_id="a"), now=0)
     assert first.decision.admitted and first.started == ("a",)
     assert ledger.usage("e1", now=0).tokens_available == pytest.approx(20)
@@ -332,7 +332,7 @@ def test_waiting_requests_start_in_priority_order_and_expire() -> None:
 
 def test_capacity_shrink_waits_for_releases() -> None:
     ledger = AdmissionLedger(concurrency_capacity=4, mean_slo_ms=1000)
-    ledger.upsert_entitlement(limits(concurrency=4), now=0)
+    ledger.upsert_entitlement(limits(concurrency=4, queue_max=0), now=0)
     for i in range(4):
         assert ledger.request("e1", request(request_id=f"r{i}"), now=0).decision.admitted
     ledger.set_capacity(2, now=1)
@@ -369,7 +369,7 @@ def test_tick_accrues_debt_for_an_underserved_elastic_and_not_for_spot() -> None
 def test_retry_jitter_is_seeded() -> None:
     def retry_after(seed: int) -> float:
         ledger = AdmissionLedger(concurrency_capacity=1, rng=random.Random(seed), retry_jitter=0.5)
-        ledger.upsert_entitlement(limits(concurrency=0, service_class="guaranteed"), now=0)
+        ledger.upsert_entitlement(limits(concurrency=0, service_class="guaranteed", queue_max=0), now=0)
         return ledger.request("e1", request(), now=0).decision.retry_after_s
 
     assert retry_after(7) == retry_after(7)

@@ -1,30 +1,50 @@
 -- COMMIT: apply the decision `apps.policy.admit` took on READ's snapshot, if the pool's version is still the
 -- one read (else {0}: the caller reads again). The request is charged (bucket, in flight, KV) and either
--- starts or waits; a waiting one may evict lower-priority preemptible work (AdmissionLedger.request).
+-- starts or waits; a waiting one may evict lower-priority preemptible work (AdmissionLedger.request). A queued
+-- one joins its entitlement's queue charged nothing (AdmissionLedger._enqueue).
 -- KEYS: pool prefix, budget slots, published budget.
--- ARGV: now, version, request id, entitlement id, 'running'|'waiting', priority, token cost, KV bytes,
+-- ARGV: now, version, request id, entitlement id, 'running'|'waiting'|'queued', priority, token cost, KV bytes,
 --       input tokens, max tokens, evictable (1/0), evict (1/0), bucket capacity, bucket rate, pool capacity,
 --       KV capacity, saturation, wait timeout, max evictions, lease seconds, budget capacity ('' = no slot),
---       slot lease, reservation signature, then the reservations as pairs (only read when the signature changed).
+--       slot lease, reservation signature, the entitlement's queue limits ("concurrency burst_concurrency kv_bytes
+--       burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), then the reservations as pairs (only read when
+--       the signature changed).
 local now = clock(ARGV[1])
 local pool = load(POOL)
 if field(pool, 'ver') ~= tonumber(ARGV[2]) then return {0} end
 local reserved = nil
 if pool.res_sig ~= tonumber(ARGV[23]) then
   reserved = {}
-  for i = 24, #ARGV do table.insert(reserved, ARGV[i]) end
+  for i = 25, #ARGV do table.insert(reserved, ARGV[i]) end
 end
 pool = pool_config(now, ARGV[15], ARGV[16], ARGV[17], ARGV[18], ARGV[19], reserved)
 pool.res_sig = tonumber(ARGV[23])
 local id = ARGV[3]
 local e = entitlement(ARGV[4], now)
 bucket_limits(e, tonumber(ARGV[13]), tonumber(ARGV[14]), now)
+local conc, bconc, kvl, bkvl, mb, qwait = string.match(ARGV[24], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
+e.conc, e.bconc, e.kvl, e.bkvl, e.mb, e.bound = tonumber(conc), tonumber(bconc), num(kvl), num(bkvl), tonumber(mb), 1
 pool.seq = pool.seq + 1
 local r = load(req_key(id))
 r._id, r._new = id, false
 r.ent, r.prio, r.cost, r.kv, r.input, r.max = ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7]), num(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 r.ev, r.state, r.enq, r.seq = tonumber(ARGV[11]), '', now, pool.seq
 touch(r)
+touch(e)
+redis.call('ZADD', LEASES, now + tonumber(ARGV[20]), id)
+local started, evicted = {}, {}
+if ARGV[5] == 'queued' then
+  r.state, r.own = 'waiting', 1
+  r.wm = wait_member(r.seq, id)
+  r.dl = now + tonumber(qwait)
+  pool.queued = field(pool, 'queued') + 1
+  redis.call('ZADD', queue_key(r.ent), r.seq, id)
+  if not redis.call('ZSCORE', QENTS, r.ent) then redis.call('ZADD', QENTS, r.seq, r.ent) end
+  redis.call('ZADD', WAIT_T, fmt(r.dl), r.wm)
+  took_room(pool)
+  save()
+  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), 0}
+end
 if field(e, 'bcap') >= 0 then
   local level = bucket_level(e, now)
   if level >= r.cost then e.level = level - r.cost end
@@ -32,9 +52,6 @@ end
 accumulate(e, now)
 e.in_flight = e.in_flight + 1
 e.kv_in_flight = e.kv_in_flight + r.kv
-touch(e)
-redis.call('ZADD', LEASES, now + tonumber(ARGV[20]), id)
-local started, evicted = {}, {}
 if ARGV[5] == 'running' then
   start(pool, r, now)
   started = {id}
@@ -43,7 +60,8 @@ else
   pool.waiting = pool.waiting + 1
   r.wm = wait_member(r.seq, id)
   redis.call('ZADD', WAIT, fmt(-r.prio), r.wm)
-  redis.call('ZADD', WAIT_T, fmt(now), r.wm)
+  r.dl = now + pool.timeout
+  redis.call('ZADD', WAIT_T, fmt(r.dl), r.wm)
   if ARGV[12] == '1' then evicted, started = evict_for(pool, r, now) end
   for _, other in ipairs(drain(pool, now)) do table.insert(started, other) end
 end

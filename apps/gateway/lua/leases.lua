@@ -14,7 +14,9 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', fmt(now), 'LIMIT
   redis.call('ZREM', KEYS[2], id)
   local r = request(id)
   if r ~= nil then
-    if r.state == 'waiting' then
+    if r.own == 1 then
+      leave_queue(pool, r)
+    elseif r.state == 'waiting' then
       finish_waiting(pool, r, now)
     else
       local e = load(ent_key(r.ent))

@@ -12,17 +12,23 @@
 --   ent:<id>  one entitlement: in_flight, kv_in_flight, running, kv_running, its token bucket (bcap: -1 when
 --             unlimited, brate, level, ts), debt, burst, and the served/demand window (last_change, slot_s,
 --             kv_s, wait_s, tok, done, rej_n, rej_tok, rej_kv)
---   req:<id>  one waiting or running request (ent, prio, cost, kv, input, max, ev, state, enq, seq, wm, em)
+--   req:<id>  one queued, waiting or running request (ent, prio, cost, kv, input, max, ev, state, enq, seq, wm,
+--             em, dl: its deadline while it waits, own: 1 while in its entitlement's queue)
+--   ent:<id> also holds the limits its queue is let go by (conc, bconc, kvl, bkvl: -1 when unlimited; mb: may
+--             burst; bound), as the last COMMIT for it was given them
 -- Indexes:
 --   prio      zset  running requests by priority (the admission threshold is the lowest)
 --   evict     zset  running preemptible requests by priority; members sort newest dispatch first
 --   wait      zset  waiting requests by -priority; members sort by arrival
---   wait_t    zset  waiting requests by arrival time (the acquire timeout expires the oldest first)
+--   wait_t    zset  waiting and queued requests by deadline (members as in wait)
+--   q:<ent>   zset  an entitlement's queue (requests over its own limits, holding nothing) by arrival (seq)
+--   qents     zset  entitlements whose queue holds requests, by the arrival of their head
+--   run:<ent> zset  an entitlement's running requests by start time (Retry-After's earliest expected end)
 --   res       hash  Bound dedicated/guaranteed entitlements of the pool: id -> "concurrency kv_bytes"
 --   leases    zset  requests by lease deadline (a process that dies stops renewing them)
 -- MessagePack keeps every double exactly; scores and replies are formatted with 17 significant digits.
 
-local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES
+local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES, QENTS
 local EVENTS = 'tp:gw:events'
 -- Fields of a loaded record that are the cache's own, never stored.
 local PRIVATE = {_key = true, _new = true, _id = true}
@@ -34,7 +40,7 @@ local function bind(keys, args)
   KEYS, ARGV = keys, args
   BASE = keys[1]
   POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
-  RES, LEASES = BASE .. 'res', BASE .. 'leases'
+  RES, LEASES, QENTS = BASE .. 'res', BASE .. 'leases', BASE .. 'qents'
   cache, dirty, order = {}, {}, {}
 end
 
@@ -112,6 +118,8 @@ local function save()
 end
 
 local function ent_key(id) return BASE .. 'ent:' .. id end
+local function queue_key(id) return BASE .. 'q:' .. id end
+local function run_key(id) return BASE .. 'run:' .. id end
 local function req_key(id) return BASE .. 'req:' .. id end
 
 local function field(t, name) return t[name] or 0 end
@@ -228,6 +236,7 @@ local function start(pool, r, now)
   r.state = 'running'
   pool.seq = pool.seq + 1
   r.seq = pool.seq
+  redis.call('ZADD', run_key(r.ent), fmt(now), r._id)
   e.running = e.running + 1
   e.kv_running = e.kv_running + r.kv
   pool.running = pool.running + 1
@@ -259,7 +268,25 @@ local function stop(pool, r, now)
   end
   redis.call('ZREM', PRIO, r._id)
   redis.call('ZREM', LEASES, r._id)
+  redis.call('ZREM', run_key(r.ent), r._id)
   touch(e); touch(pool)
+  drop(r)
+end
+
+-- The queue's head again in qents (or the entitlement out of it once its queue is empty).
+local function queue_head(ent)
+  local head = redis.call('ZRANGE', queue_key(ent), 0, 0, 'WITHSCORES')
+  if #head == 0 then redis.call('ZREM', QENTS, ent) else redis.call('ZADD', QENTS, head[2], ent) end
+end
+
+-- queued -> gone (cancelled or expired); it held nothing: AdmissionLedger._leave_queue
+local function leave_queue(pool, r)
+  redis.call('ZREM', queue_key(r.ent), r._id)
+  queue_head(r.ent)
+  pool.queued = field(pool, 'queued') - 1
+  redis.call('ZREM', WAIT_T, r.wm)
+  redis.call('ZREM', LEASES, r._id)
+  touch(pool)
   drop(r)
 end
 
@@ -328,7 +355,84 @@ local function fits(pool, r)
   return entitled and missing_slots <= 0 and missing_kv <= 1e-9 and pool.sat < 1.0
 end
 
--- Start waiting requests, highest priority first, while the pool has room: AdmissionLedger._drain
+local function limit(e, name)
+  local v = e[name]
+  if v == nil then return -1 end
+  return v
+end
+
+-- Whether a queue's head may leave it: apps.policy.queues.within_own_limits
+local function own_fits(e, r, room, now)
+  local borrow = false
+  local conc = limit(e, 'conc')
+  if conc >= 0 and e.in_flight >= conc then
+    local ceiling = limit(e, 'bconc')
+    if e.mb ~= 1 or (ceiling >= 0 and e.in_flight >= ceiling) then return false end
+    borrow = true
+  end
+  if field(e, 'bcap') >= 0 and bucket_level(e, now) < r.cost then return false end
+  local chi = limit(e, 'kvl')
+  if chi >= 0 and r.kv > 0 and e.kv_in_flight + r.kv > chi then
+    local ceiling = limit(e, 'bkvl')
+    if e.mb ~= 1 or (ceiling >= 0 and e.kv_in_flight + r.kv > ceiling) then return false end
+    borrow = true
+  end
+  return room or not borrow
+end
+
+local function threshold()
+  local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
+  if #low == 0 then return -math.huge end
+  return tonumber(low[2])
+end
+
+-- Let the entitlements' queues go, oldest head first: AdmissionLedger._drain_queues
+local function drain_queues(pool, now)
+  local started = {}
+  for _, ent in ipairs(redis.call('ZRANGE', QENTS, 0, -1)) do
+    local e = load(ent_key(ent))
+    while true do
+      local head = redis.call('ZRANGE', queue_key(ent), 0, 0)
+      if #head == 0 then break end
+      local r = request(head[1])
+      if r == nil then
+        redis.call('ZREM', queue_key(ent), head[1])
+      else
+        if field(e, 'bound') ~= 1 then break end
+        local room = fits(pool, r)
+        if not own_fits(e, r, room, now) then break end
+        if not room and r.prio <= threshold() then break end
+        -- queued -> charged like an offer (bucket, in flight, KV bytes), then started or waiting
+        redis.call('ZREM', queue_key(ent), r._id)
+        pool.queued = pool.queued - 1
+        r.own = 0
+        if field(e, 'bcap') >= 0 then
+          local level = bucket_level(e, now)
+          if level >= r.cost then e.level = level - r.cost end
+        end
+        accumulate(e, now)
+        e.in_flight = e.in_flight + 1
+        e.kv_in_flight = e.kv_in_flight + r.kv
+        touch(e); touch(r); touch(pool)
+        if room then
+          r.state = ''
+          redis.call('ZREM', WAIT_T, r.wm)
+          start(pool, r, now)
+          table.insert(started, r._id)
+        else
+          r.state = 'waiting'
+          pool.waiting = pool.waiting + 1
+          redis.call('ZADD', WAIT, fmt(-r.prio), r.wm)
+        end
+      end
+    end
+    queue_head(ent)
+  end
+  return started
+end
+
+-- Start waiting requests, highest priority first, while the pool has room, then let the queues go:
+-- AdmissionLedger._drain
 local function drain(pool, now)
   local started = {}
   while true do
@@ -342,6 +446,9 @@ local function drain(pool, now)
       start(pool, r, now)
       table.insert(started, r._id)
     end
+  end
+  if field(pool, 'queued') > 0 then
+    for _, id in ipairs(drain_queues(pool, now)) do table.insert(started, id) end
   end
   return started
 end
@@ -379,6 +486,7 @@ local function pool_config(now, cap, kv_cap, sat, timeout, max_ev, reserved)
   if pool._new then
     pool._new = false
     pool.running, pool.kv, pool.ev_n, pool.ev_kv, pool.waiting, pool.seq, pool.ver = 0, 0, 0, 0, 0, 0, 0
+    pool.queued = 0
     pool.last_tick = now
   end
   pool.cap, pool.kv_cap, pool.sat, pool.timeout, pool.max_ev = tonumber(cap), num(kv_cap), num(sat), num(timeout), tonumber(max_ev)

@@ -1,6 +1,7 @@
 -- READ (no writes): the snapshot `apps.policy.admit` decides on (in Python): the entitlement's levels, bucket and EWMA
 -- state, the pool's levels, idle reservations, admission threshold and lowest evictable priority, and the
--- pool's version, which COMMIT compares (compare-and-set).
+-- pool's version, which COMMIT compares (compare-and-set), the length of the entitlement's queue and the start
+-- of its oldest running request.
 -- ARGV: now ('' = Redis time), entitlement id, bucket capacity (-1 = unlimited), bucket rate,
 --       then the pool's reservations as pairs: id, "concurrency kv_bytes".
 local now = clock(ARGV[1])
@@ -13,6 +14,7 @@ for i = 5, #ARGV do table.insert(reserved, ARGV[i]) end
 local idle_slots, idle_kv = idle_reservations(reserved, '')
 local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
 local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
+local oldest = redis.call('ZRANGE', run_key(ARGV[2]), 0, 0, 'WITHSCORES')
 -- Nothing is written: the refill and the limits seen here are applied for real by COMMIT (a refill is the same
 -- in one step or two), so concurrent readers never disturb each other.
 -- One string of space-separated fields (a reply of one element: parsing each element of a list is what a
@@ -20,4 +22,5 @@ local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
 return table.concat({fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(e.kv_running), fmt(level),
                      fmt(e.debt), fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')),
                      fmt(idle_slots), fmt(idle_kv), low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')),
-                     fmt(field(pool, 'ev_kv')), fmt(field(pool, 'ver'))}, ' ')
+                     fmt(field(pool, 'ev_kv')), fmt(field(pool, 'ver')),
+                     fmt(redis.call('ZCARD', queue_key(ARGV[2]))), oldest[2] or ''}, ' ')

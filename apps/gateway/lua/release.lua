@@ -19,7 +19,10 @@ end
 local pool = load(POOL)
 local recorded = 0
 local outcome, refund, started
-if r.state == 'waiting' then
+if r.own == 1 then
+  leave_queue(pool, r)
+  refund, outcome = 0, 'cancelled'
+elseif r.state == 'waiting' then
   refund = finish_waiting(pool, r, now)
   outcome = 'cancelled'
 else

@@ -1,0 +1,100 @@
+"""The entitlement's own queue, as pure functions the ledger and the Redis store's Python side share.
+
+A request refused only by its entitlement's own concurrency, token bucket or KV bytes (checks 3 and 4 of
+`admit`) waits in the entitlement's queue, and so does every request offered while that queue holds any
+(first come first served); a full queue refuses at once (queue_full), a class without a queue (spot,
+preemptible, or `queue_max` 0) refuses at once as before. Retry-After comes from the state: the bucket's
+refill time, or the earliest expected end among the entitlement's running requests.
+"""
+
+from __future__ import annotations
+
+import math
+
+from apps.policy.admission import (
+    DEFAULT_ADMISSION_CONFIG,
+    OWN_LIMIT_REASONS,
+    AdmissionConfig,
+    AdmissionDecision,
+    AdmissionRequest,
+    EntitlementLimits,
+    EntitlementUsage,
+    Reason,
+    request_priority,
+)
+
+ENQUEUE = "enqueue"
+FULL = "full"
+
+
+def own_queue_route(limits: EntitlementLimits, decision: AdmissionDecision, queue_length: int) -> str | None:
+    """`ENQUEUE`, `FULL`, or None when `admit`'s decision stands. A request joins the queue when its own limits
+    refused it (retryable), or when the queue holds requests already and checks 1 and 2 let it through."""
+    if decision.check in (1, 2):
+        return None
+    if queue_length <= 0 and (decision.admitted or decision.queued or not decision.retryable
+                              or decision.reason not in OWN_LIMIT_REASONS):
+        return None
+    if limits.own_queue_max <= 0 or limits.own_queue_wait_s <= 0:
+        return None
+    return FULL if queue_length >= limits.own_queue_max else ENQUEUE
+
+
+def own_retry_s(decision: AdmissionDecision, oldest_start: float | None, now: float,
+                expected_service_s: float) -> float:
+    """When the entitlement will have room, as far as the state tells: the bucket's refill time for a token
+    refusal, else the earliest expected end among its running requests (the oldest start plus the expected
+    service time), at least a twentieth of that service time."""
+    if decision.reason == Reason.RATE_LIMIT_EXCEEDED.value and decision.retry_after_s > 0:
+        return decision.retry_after_s
+    end = now + expected_service_s if oldest_start is None else oldest_start + expected_service_s
+    return max(end - now, expected_service_s / 20.0)
+
+
+def queued_decision(decision: AdmissionDecision, priority: float, retry_after_s: float) -> AdmissionDecision:
+    """The decision of a request that waits in its entitlement's queue (`AdmissionDecision.own_queue`)."""
+    return decision._replace(admitted=False, reason=Reason.QUEUED.value, queued=True, evict=False,
+                             priority=priority, check=decision.check if decision.check in (3, 4) else 3,
+                             retry_after_s=retry_after_s)
+
+
+def full_decision(decision: AdmissionDecision, retry_after_s: float) -> AdmissionDecision:
+    return AdmissionDecision(False, Reason.QUEUE_FULL.value, retry_after_s, check=decision.check or 3,
+                             max_tokens=decision.max_tokens, token_cost=decision.token_cost,
+                             kv_bytes=decision.kv_bytes, slo_tier=decision.slo_tier)
+
+
+def within_own_limits(limits: EntitlementLimits, usage: EntitlementUsage, cost: float, kv_bytes: float,
+                      pool_has_room: bool) -> bool:
+    """Whether the head of an entitlement's queue may leave it now: checks 3 and 4 of `admit` on the levels
+    now, where borrowing beyond the entitlement's own limits (a class that may burst, under its ceilings) needs
+    room free in the pool now (`pool_has_room`). The Redis store's `own_fits` (apps/gateway/lua/machine.lua)
+    is this, step for step."""
+    may_burst = limits._traits.may_burst
+    borrow = False
+    r_e = limits.concurrency
+    if r_e is not None and usage.in_flight >= r_e:
+        ceiling = limits.burst_concurrency
+        if not may_burst or (ceiling is not None and usage.in_flight >= ceiling):
+            return False
+        borrow = True
+    if limits.tokens_per_second is not None and usage.tokens_available < cost:
+        return False
+    chi = limits.kv_bytes
+    if chi is not None and kv_bytes > 0 and usage.kv_bytes_in_flight + kv_bytes > chi:
+        ceiling_kv = limits.burst_kv_bytes
+        if not may_burst or (ceiling_kv is not None and usage.kv_bytes_in_flight + kv_bytes > ceiling_kv):
+            return False
+        borrow = True
+    return pool_has_room or not borrow
+
+
+def offered_priority(limits: EntitlementLimits, request: AdmissionRequest, mean_slo_ms: float, burst: float,
+                     debt: float, config: AdmissionConfig = DEFAULT_ADMISSION_CONFIG) -> float:
+    """Formula (1) for a request as check 5 computes it (its SLO hint only loosens the target): the priority a
+    request waiting in its entitlement's queue keeps for the pool's waiting room."""
+    slo_ms = limits.slo_target_ms
+    hinted = request.slo_target_ms
+    if isinstance(hinted, int | float) and not isinstance(hinted, bool) and slo_ms < hinted < math.inf:
+        slo_ms = float(hinted)
+    return request_priority(limits._traits, slo_ms, mean_slo_ms, burst, debt, config)
