@@ -57,6 +57,8 @@ REASON_TEXT = {
     "kv_cache_limit_exceeded": "The entitlement's KV cache allowance is exhausted.",
     "pool_contended": "The pool is contended and this request's priority is below the admission threshold.",
     "quota_exceeded": "The quota of this entitlement or its tenant is used up for the current window.",
+    "queue_full": "The entitlement's queue is full: too many of its requests are waiting already.",
+    "queue_timeout": "The request waited in its entitlement's queue as long as the entitlement allows.",
 }
 
 
@@ -121,6 +123,12 @@ class Admitter:
         # Release whatever the store holds under a request id whose offer did not come back (idempotent).
         self.forget = forget
         self._limits_cache: dict[tuple[EntitlementLimits, int], EntitlementLimits] = {}
+        # This process's requests waiting now, by entitlement (`tokenpools_queue_depth`; Prometheus sums the
+        # processes).
+        self.waiting: dict[str, int] = {}
+        metrics.add_gauge("tokenpools_queue_depth",
+                          "Requests of this process waiting in their entitlement's queue or the pool's waiting room.",
+                          ("entitlement",), lambda: {(name,): float(count) for name, count in self.waiting.items()})
 
     async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, pool: PoolInfo, scheduler: PoolScheduler,
                             replicas: ReplicaSet, *, input_tokens: int, max_tokens: int | None,
@@ -142,10 +150,8 @@ class Admitter:
         self.in_flight.add(pool.name, ctx)
         self.metrics.admitted.inc((limits.entitlement_id, str(limits.service_class)))
         try:
-            if offer.state == WAITING and not await self._wait(offer.reservation):
-                decision = offer.decision._replace(reason=Reason.POOL_CONTENDED.value, retry_after_s=1.0,
-                                                   queued=False)
-                raise self._rejection(entry, limits, decision)
+            if offer.state == WAITING and not await self._wait(ctx, limits, offer):
+                raise self._rejection(entry, limits, self._turned_away(offer.decision))
             try:
                 await scheduler.acquire(flow=limits.entitlement_id, service_class=str(limits.service_class),
                                         queue_max=entry.queue_max, request_id=ctx.request_id,
@@ -189,14 +195,33 @@ class Admitter:
                 return _unaccounted(limits, pool, request)
             raise store_error(exc) from None
 
-    async def _wait(self, reservation: Reservation) -> bool:
-        """Wait in the pool's waiting room; True once started. A cancellation (client gone, shutdown)
-        propagates and the caller's release cancels the reservation."""
+    async def _wait(self, ctx: RequestContext, limits: EntitlementLimits, offer: Offer) -> bool:
+        """Wait in the entitlement's queue or the pool's waiting room; True once started. A cancellation (client
+        gone, shutdown) propagates and the caller's release cancels the reservation."""
+        assert offer.reservation is not None
+        own = offer.decision.own_queue
+        # The state machine's own deadlines: the entitlement's queue wait, or the pool's acquire timeout.
+        timeout_s = limits.own_queue_wait_s if own else self.store.config.wait_timeout_s
+        waited_from = time.perf_counter()
+        self.waiting[limits.entitlement_id] = self.waiting.get(limits.entitlement_id, 0) + 1
         try:
-            # The state machine's own acquire timeout: it expires whoever waited that long.
-            return await self.store.wait(reservation=reservation, timeout_s=self.store.config.wait_timeout_s)
+            return await self.store.wait(reservation=offer.reservation, timeout_s=timeout_s,
+                                         wake_s=offer.decision.retry_after_s if own else None)
         except StateStoreUnavailable as exc:
             raise store_error(exc) from None
+        finally:
+            self.waiting[limits.entitlement_id] -= 1
+            waited = time.perf_counter() - waited_from
+            ctx.queue_ms = waited * 1000.0
+            self.metrics.queue_wait.observe((limits.entitlement_id,), waited)
+
+    def _turned_away(self, decision: AdmissionDecision) -> AdmissionDecision:
+        """The rejection of a waiter whose wait ran out: queue_timeout from its entitlement's queue (retry after
+        the expected service time: the queue was full of work), pool_contended from the pool's room."""
+        if decision.own_queue:
+            return decision._replace(reason=Reason.QUEUE_TIMEOUT.value, queued=False,
+                                     retry_after_s=self.store.config.expected_service_s)
+        return decision._replace(reason=Reason.POOL_CONTENDED.value, retry_after_s=1.0, queued=False)
 
     def _rejection(self, entry: KeyEntry, limits: EntitlementLimits, decision: AdmissionDecision) -> GatewayError:
         reason = decision.reason

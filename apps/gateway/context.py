@@ -56,6 +56,8 @@ class RequestContext:
     view: RateView | None = None
     # The binding quota after the offer (x-tokenpools-quota-* headers), on admissions and rejections alike.
     quota: QuotaStanding | None = None
+    # Milliseconds the request waited in its entitlement's queue or the pool's waiting room (x-tokenpools-queue-ms).
+    queue_ms: float = 0.0
     upstream_started: float | None = None
     upstream_answered: float | None = None
     task: asyncio.Task | None = None
@@ -91,6 +93,7 @@ class RequestContext:
             *extra,
             (b"x-request-id", self.request_id.encode()),
             (b"x-tokenpools-overhead-ms", f"{self.overhead_ms():.3f}".encode()),
+            (b"x-tokenpools-queue-ms", f"{self.queue_ms:.3f}".encode()),
             *ratelimit_headers(self.view),
             *quota_headers(self.quota, time.time()),
         ]

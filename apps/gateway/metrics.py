@@ -48,6 +48,10 @@ def _number(value: float) -> str:
     return repr(float(value)) if not float(value).is_integer() else str(int(value))
 
 
+# A queue's wait is bounded by `queue_max_wait_ms` (at most 10 minutes) or the acquire timeout.
+QUEUE_WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0)
+
+
 class Counter:
     def __init__(self, name: str, help_text: str, labels: Sequence[str]) -> None:
         self.name, self.help, self.label_names = name, help_text, tuple(labels)
@@ -136,6 +140,11 @@ class GatewayMetrics:
         self.tokens = Counter(
             "gateway_tokens_total", "Tokens served, by kind (prompt, completion).", ("entitlement", "kind")
         )
+        self.queue_wait = Histogram(
+            "tokenpools_queue_wait_seconds",
+            "Time a request waited in its entitlement's queue or the pool's waiting room before it started or was "
+            "turned away.", ("entitlement",), QUEUE_WAIT_BUCKETS_S,
+        )
         self.gauges: list[Gauge] = []
 
     def add_gauge(self, name: str, help_text: str, labels: Sequence[str],
@@ -147,7 +156,7 @@ class GatewayMetrics:
         left out (apps/gateway/metrics_access.py: what an anonymous reader may see)."""
         lines: list[str] = []
         metrics: list[Counter | Histogram | Gauge] = [self.ttft, self.duration, self.admitted, self.rejected,
-                                                      self.tokens, *self.gauges]
+                                                      self.tokens, self.queue_wait, *self.gauges]
         for metric in metrics:
             lines.extend(metric.render(hidden))
         return ("\n".join(lines) + "\n").encode()

@@ -72,7 +72,14 @@ from apps.policy.ledger import (
     quota_refusal,
 )
 from apps.policy.priority import DynamicsConfig
-from apps.policy.queues import FULL, full_decision, offered_priority, own_queue_route, own_retry_s, queued_decision
+from apps.policy.queues import (
+    FULL,
+    full_decision,
+    offered_priority,
+    own_queue_route,
+    own_retry_s,
+    queued_decision,
+)
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
 from apps.policy.window import WindowFigures, WindowReading, window_reading
 

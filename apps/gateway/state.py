@@ -34,6 +34,10 @@ from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding
 from apps.policy.window import WindowReading
 
 REJECTED = "rejected"
+# A waiter the state machine expects to fit without a release (its bucket refilling) wakes it then, no sooner than
+# MIN_WAKE_S, and again every WAKE_AGAIN_S while it still waits (another request may have taken the refill).
+MIN_WAKE_S = 0.005
+WAKE_AGAIN_S = 0.05
 # How long after its deadline a waiter keeps asking the store to expire it (the store's clock may run a
 # little behind this process's), before it cancels itself.
 EXPIRY_GRACE_S = 1.0
@@ -287,22 +291,33 @@ class GatewayStateStore(ABC):
         if future is not None and not future.done():
             future.cancel()
 
-    async def wait(self, *, reservation: Reservation, timeout_s: float) -> bool:
+    async def wait(self, *, reservation: Reservation, timeout_s: float, wake_s: float | None = None) -> bool:
         """Wait until the waiting `reservation` starts (True) or is turned away (False): at `timeout_s` the
-        store expires whoever waited that long. A cancellation (client gone) propagates; the caller then
-        releases the reservation, which cancels it in the store."""
+        store expires whoever waited that long. `wake_s`: when the state machine expects room without a release
+        (a queue's bucket refilling), it is woken then (`expire`), and again every `WAKE_AGAIN_S` after. A
+        cancellation (client gone) propagates; the caller then releases the reservation, which cancels it in the
+        store."""
         request_id = reservation.request_id
         future = self._expect(request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        wake_at = None if wake_s is None else loop.time() + max(wake_s, MIN_WAKE_S)
         while not future.done():
-            remaining = deadline - loop.time()
+            now = loop.time()
+            remaining = deadline - now
             if remaining <= 0:
                 break
             step = remaining if self.poll_s is None else min(remaining, self.poll_s)
+            if wake_at is not None:
+                step = min(step, max(wake_at - now, 0.0))
             try:
                 return await asyncio.wait_for(asyncio.shield(future), step)
             except TimeoutError:
+                if wake_at is not None and loop.time() >= wake_at:
+                    wake_at = loop.time() + WAKE_AGAIN_S
+                    await self.expire(pool=reservation.pool)
+                    if future.done():
+                        break
                 if self.poll_s is not None:
                     state = await self.request_state(reservation=reservation)
                     if state != WAITING:
