@@ -280,6 +280,15 @@ class TokenEntitlement(QuotaFields, models.Model):
         return Capacity(self.concurrency, self.tokens_per_second, self.kv_cache_bytes)
 
     @property
+    def queue_effective(self) -> tuple[int, int]:
+        """The queue the entitlement gets: (how many may wait, how long in ms), blank fields by the class's
+        defaults (the same rule as apps.policy.EntitlementLimits.own_queue_max / own_queue_wait_s)."""
+        traits = CLASS_TRAITS[ServiceClass(self.service_class)]
+        size = traits.queue_max if self.queue_max is None else self.queue_max
+        wait = traits.queue_max_wait_ms if self.queue_max_wait_ms is None else self.queue_max_wait_ms
+        return size, int(wait)
+
+    @property
     def reservation(self) -> Capacity:
         """What binding this entitlement takes from the pool: its baseline, or nothing for spot/preemptible."""
         return self.baseline if self.reserves_capacity else Capacity.zero()
