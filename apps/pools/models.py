@@ -213,6 +213,8 @@ SERVICE_CLASS_HELP = "; ".join(_class_help(cls) for cls in ServiceClass)
 QUEUE_WAIT_MAX_MS = int(MAX_QUEUE_WAIT_MS)
 QUEUE_MAX_MESSAGE = "must be 0 or more (0: refused at once; blank: the service class's default)"
 QUEUE_WAIT_MESSAGE = f"must be from 0 to {QUEUE_WAIT_MAX_MS} ms (10 minutes); blank: the service class's default"
+# Each class's default queue, for help texts (API schema, entitlement form).
+QUEUE_DEFAULTS_HELP = "; ".join(f"{cls}: {t.queue_max}, {t.queue_max_wait_ms:g} ms" for cls, t in CLASS_TRAITS.items())
 
 
 class EntitlementState(models.TextChoices):

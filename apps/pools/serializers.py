@@ -10,6 +10,7 @@ from rest_framework import serializers
 from apps.gateway.quotas import entitlement_quota_status
 from apps.pools.manifests.reader import API_VERSION, KINDS
 from apps.pools.models import (
+    QUEUE_DEFAULTS_HELP,
     QUEUE_WAIT_MAX_MS,
     SERVICE_CLASS_CHOICES,
     SERVICE_CLASS_HELP,
@@ -125,14 +126,15 @@ class EntitlementSerializer(serializers.ModelSerializer):
     service_class = serializers.ChoiceField(choices=SERVICE_CLASS_CHOICES, help_text=SERVICE_CLASS_HELP)
     kv_cache_gib = serializers.DecimalField(max_digits=12, decimal_places=3)
     quota_status = serializers.SerializerMethodField()
+    # Declared without bounds: the model's validators answer (one message for the API, the form and apply).
     queue_max = serializers.IntegerField(
         required=False, allow_null=True,
         help_text="how many requests over the entitlement's own limits may wait (0: refused at once); null: the "
-        "service class's default (dedicated and guaranteed 8, elastic 4, spot and preemptible 0)")
+        f"service class's default ({QUEUE_DEFAULTS_HELP})")
     queue_max_wait_ms = serializers.IntegerField(
         required=False, allow_null=True,
         help_text=f"how long each may wait, 0 to {QUEUE_WAIT_MAX_MS} ms (10 minutes); null: the service class's "
-        "default (1000 ms; spot and preemptible 0)")
+        "default")
     queue_effective = serializers.SerializerMethodField(
         help_text="the queue the entitlement gets, with the class's defaults where queue_max or queue_max_wait_ms "
         "is null")
