@@ -16,6 +16,10 @@ from django.db.models import QuerySet
 
 from apps.policy import ServiceClass
 from apps.pools.models import (
+    QUEUE_DEFAULTS_HELP,
+    QUEUE_MAX_MESSAGE,
+    QUEUE_WAIT_MAX_MS,
+    QUEUE_WAIT_MESSAGE,
     SERVICE_CLASS_CHOICES,
     SERVICE_CLASS_HELP,
     BackendKind,
@@ -157,7 +161,14 @@ class EntitlementForm(forms.Form):
     )
     concurrency = forms.IntegerField(min_value=1, help_text="Concurrent requests (decode slots).")
     default_max_tokens = forms.IntegerField(min_value=1, required=False, label="Default max_tokens")
-    queue_max = forms.IntegerField(min_value=1, required=False, label="Queue limit")
+    queue_max = forms.IntegerField(
+        min_value=0, required=False, label="Queue size", error_messages={"min_value": QUEUE_MAX_MESSAGE},
+        help_text="Requests over this entitlement's own limits that may wait (0: refused at once). Blank: the "
+        f"class default ({QUEUE_DEFAULTS_HELP}).")
+    queue_max_wait_ms = forms.IntegerField(
+        min_value=0, max_value=QUEUE_WAIT_MAX_MS, required=False, label="Queue wait (ms)",
+        error_messages={"min_value": QUEUE_WAIT_MESSAGE, "max_value": QUEUE_WAIT_MESSAGE},
+        help_text=f"How long each may wait, up to {QUEUE_WAIT_MAX_MS} ms (10 minutes). Blank: the class default.")
     expires_at = _expires_field()
     quota_window = QUOTA_FORM_FIELDS["quota_window"]
     quota_tokens = QUOTA_FORM_FIELDS["quota_tokens"]

@@ -109,6 +109,9 @@ def entitlement_limits(
         kv_bytes_per_token=kv_bytes_per_token,
         state=ent.effective_state().lower(),
         tenant_id=tenant_id,
+        # The entitlement's own queue; None (blank) takes the service class's default in the policy.
+        queue_max=ent.queue_max,
+        queue_max_wait_ms=None if ent.queue_max_wait_ms is None else float(ent.queue_max_wait_ms),
     )
 
 
@@ -169,7 +172,8 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
             tenant_slug=key.tenant.slug,
             limits=limits,
             pool_name=pool_info.name,
-            queue_max=ent.queue_max or config.queue_max_default,
+            # The DRR stage's queue needs room for one (0, the state machine's "refused at once", is not its).
+            queue_max=config.queue_max_default if ent.queue_max is None else max(1, ent.queue_max),
             key_expires_at=_epoch(key.expires_at),
             entitlement_expires_at=_epoch(ent.expires_at),
             expired_limits=replace(limits, state=EntitlementState.EXPIRED) if ent.expires_at else None,

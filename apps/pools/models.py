@@ -12,11 +12,12 @@ from decimal import Decimal
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator, RegexValidator, URLValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator, URLValidator
 from django.db import models
 from django.utils import timezone
 
 from apps.policy import CLASS_TRAITS, ServiceClass
+from apps.policy.admission import MAX_QUEUE_WAIT_MS
 from apps.policy.classes import Baseline, Shrink
 from apps.tenancy.quota import CURRENCY, QuotaFields
 
@@ -208,6 +209,14 @@ def _class_help(cls: ServiceClass) -> str:
 SERVICE_CLASS_HELP = "; ".join(_class_help(cls) for cls in ServiceClass)
 
 
+# The longest a request may wait in an entitlement's queue, in whole milliseconds (10 minutes).
+QUEUE_WAIT_MAX_MS = int(MAX_QUEUE_WAIT_MS)
+QUEUE_MAX_MESSAGE = "must be 0 or more (0: refused at once; blank: the service class's default)"
+QUEUE_WAIT_MESSAGE = f"must be from 0 to {QUEUE_WAIT_MAX_MS} ms (10 minutes); blank: the service class's default"
+# Each class's default queue, for help texts (API schema, entitlement form).
+QUEUE_DEFAULTS_HELP = "; ".join(f"{cls}: {t.queue_max}, {t.queue_max_wait_ms:g} ms" for cls, t in CLASS_TRAITS.items())
+
+
 class EntitlementState(models.TextChoices):
     PENDING = "Pending", "Pending"
     BOUND = "Bound", "Bound"
@@ -226,7 +235,13 @@ class TokenEntitlement(QuotaFields, models.Model):
     kv_cache_gib = models.DecimalField(max_digits=12, decimal_places=3, validators=[MinValueValidator(Decimal("0.001"))])
     concurrency = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     default_max_tokens = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
-    queue_max = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    # The entitlement's own queue (requests over its own limits wait there): how many may wait (0: refused at
+    # once) and how long; blank takes the service class's default (apps.policy.classes.ClassTraits).
+    queue_max = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(0, message=QUEUE_MAX_MESSAGE)])
+    queue_max_wait_ms = models.PositiveIntegerField(null=True, blank=True, validators=[
+        MinValueValidator(0, message=QUEUE_WAIT_MESSAGE),
+        MaxValueValidator(QUEUE_WAIT_MAX_MS, message=QUEUE_WAIT_MESSAGE)])
     expires_at = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=EntitlementState.choices, default=EntitlementState.PENDING)
     state_reason = models.CharField(max_length=500, blank=True, default="")
@@ -265,6 +280,15 @@ class TokenEntitlement(QuotaFields, models.Model):
     def baseline(self) -> Capacity:
         """The entitlement's baseline (lambda_e, chi_e, r_e) as a Capacity."""
         return Capacity(self.concurrency, self.tokens_per_second, self.kv_cache_bytes)
+
+    @property
+    def queue_effective(self) -> tuple[int, int]:
+        """The queue the entitlement gets: (how many may wait, how long in ms), blank fields by the class's
+        defaults (the same rule as apps.policy.EntitlementLimits.own_queue_max / own_queue_wait_s)."""
+        traits = CLASS_TRAITS[ServiceClass(self.service_class)]
+        size = traits.queue_max if self.queue_max is None else self.queue_max
+        wait = traits.queue_max_wait_ms if self.queue_max_wait_ms is None else self.queue_max_wait_ms
+        return size, int(wait)
 
     @property
     def reservation(self) -> Capacity:

@@ -10,6 +10,8 @@ from rest_framework import serializers
 from apps.gateway.quotas import entitlement_quota_status
 from apps.pools.manifests.reader import API_VERSION, KINDS
 from apps.pools.models import (
+    QUEUE_DEFAULTS_HELP,
+    QUEUE_WAIT_MAX_MS,
     SERVICE_CLASS_CHOICES,
     SERVICE_CLASS_HELP,
     SERVICE_CLASS_WEIGHT,
@@ -110,6 +112,13 @@ class PoolSerializer(serializers.ModelSerializer):
         }
 
 
+class QueueSerializer(serializers.Serializer):
+    """An entitlement's own queue as it applies (the schema of ``queue_effective``)."""
+
+    max = serializers.IntegerField(help_text="how many requests over its own limits may wait (0: none)")
+    max_wait_ms = serializers.IntegerField(help_text="how long each may wait, in ms")
+
+
 class EntitlementSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.none(),
                                           help_text="tenant slug")
@@ -117,6 +126,18 @@ class EntitlementSerializer(serializers.ModelSerializer):
     service_class = serializers.ChoiceField(choices=SERVICE_CLASS_CHOICES, help_text=SERVICE_CLASS_HELP)
     kv_cache_gib = serializers.DecimalField(max_digits=12, decimal_places=3)
     quota_status = serializers.SerializerMethodField()
+    # Declared without bounds: the model's validators answer (one message for the API, the form and apply).
+    queue_max = serializers.IntegerField(
+        required=False, allow_null=True,
+        help_text="how many requests over the entitlement's own limits may wait (0: refused at once); null: the "
+        f"service class's default ({QUEUE_DEFAULTS_HELP})")
+    queue_max_wait_ms = serializers.IntegerField(
+        required=False, allow_null=True,
+        help_text=f"how long each may wait, 0 to {QUEUE_WAIT_MAX_MS} ms (10 minutes); null: the service class's "
+        "default")
+    queue_effective = serializers.SerializerMethodField(
+        help_text="the queue the entitlement gets, with the class's defaults where queue_max or queue_max_wait_ms "
+        "is null")
     weight = serializers.SerializerMethodField(
         help_text="base weight of the service class (seed Table 1): "
         + ", ".join(f"{name} {weight:g}" for name, weight in SERVICE_CLASS_WEIGHT.items())
@@ -126,7 +147,8 @@ class EntitlementSerializer(serializers.ModelSerializer):
         model = TokenEntitlement
         fields = [
             "name", "tenant", "pool", "service_class", "weight", "slo_target_ms", "tokens_per_second",
-            "kv_cache_gib", "concurrency", "default_max_tokens", "queue_max", "expires_at", "quota_tokens",
+            "kv_cache_gib", "concurrency", "default_max_tokens", "queue_max", "queue_max_wait_ms", "queue_effective",
+            "expires_at", "quota_tokens",
             "quota_amount", "quota_currency", "quota_window", "quota_timezone", "quota_status", "state", "state_reason",
             "state_changed_at", "created_at", "updated_at",
         ]
@@ -134,7 +156,7 @@ class EntitlementSerializer(serializers.ModelSerializer):
         extra_kwargs = {
             "name": {"validators": []},
             **{f: {"min_value": None, "validators": []} for f in (
-                "slo_target_ms", "tokens_per_second", "concurrency", "default_max_tokens", "queue_max")},
+                "slo_target_ms", "tokens_per_second", "concurrency", "default_max_tokens")},
         }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -149,6 +171,11 @@ class EntitlementSerializer(serializers.ModelSerializer):
 
     def get_weight(self, ent: TokenEntitlement) -> float:
         return SERVICE_CLASS_WEIGHT[ent.service_class]
+
+    @extend_schema_field(QueueSerializer())
+    def get_queue_effective(self, ent: TokenEntitlement) -> dict[str, int]:
+        size, wait = ent.queue_effective
+        return {"max": size, "max_wait_ms": wait}
 
     @extend_schema_field(QuotaStatusSerializer(allow_null=True))
     def get_quota_status(self, ent: TokenEntitlement) -> dict[str, Any] | None:

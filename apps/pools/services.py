@@ -77,6 +77,7 @@ ENTITLEMENT_FIELDS = (
     "concurrency",
     "default_max_tokens",
     "queue_max",
+    "queue_max_wait_ms",
     "expires_at",
     *QUOTA_FIELDS,
 )
@@ -425,6 +426,7 @@ def entitlement_create(
     concurrency: int,
     default_max_tokens: int | None = None,
     queue_max: int | None = None,
+    queue_max_wait_ms: int | None = None,
     expires_at: datetime | None = None,
     now: datetime | None = None,
     **quota: Any,
@@ -452,6 +454,7 @@ def entitlement_create(
         concurrency=concurrency,
         default_max_tokens=default_max_tokens,
         queue_max=queue_max,
+        queue_max_wait_ms=queue_max_wait_ms,
         expires_at=expires_at,
         state=EntitlementState.PENDING,
         state_reason="created",

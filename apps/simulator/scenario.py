@@ -17,7 +17,8 @@ tenants:
     output: {dist: uniform, min: 32, max: 176}
     start: 0
     stop: 90
-    entitlement: {service_class: guaranteed, concurrency: 6}
+    entitlement: {service_class: guaranteed, concurrency: 6}   # apps.policy.EntitlementLimits' fields, e.g.
+                               # queue_max: 2, queue_max_wait_ms: 500 (absent: the class's default queue)
 capacity_events:
   - {at: 30, remove: [1]}
   - {at: 120, restore: [1]}
@@ -34,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from apps.policy.errors import PolicyConfigError
+from apps.simulator.admission import entitlement_limits
 from apps.simulator.simulation import CapacityEvent, SimConfig
 from apps.simulator.workload import LengthSpec, RatePhase, TenantSpec, WorkloadError
 
@@ -133,7 +136,7 @@ def parse_tenant(raw: Any, index: int) -> TenantSpec:
     if not isinstance(entitlement, dict):
         raise ScenarioError(f"{where}.entitlement: expected a mapping")
     slo_target = raw.get("slo_target_ms")
-    return TenantSpec(
+    tenant = TenantSpec(
         name=name,
         slo_class=str(raw.get("slo_class", "standard")),
         rate=rate,
@@ -153,6 +156,11 @@ def parse_tenant(raw: Any, index: int) -> TenantSpec:
         else _number(slo_target, f"{where}.slo_target_ms", positive=True),
         entitlement=dict(entitlement),
     )
+    try:  # the entitlement the token-pools admission will build, checked here so the error names the tenant
+        entitlement_limits(tenant)
+    except PolicyConfigError as error:
+        raise ScenarioError(f"{where}.entitlement: {error}") from None
+    return tenant
 
 
 def parse_capacity_event(raw: Any, index: int, num_instances: int) -> CapacityEvent:

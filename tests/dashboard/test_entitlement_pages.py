@@ -24,6 +24,7 @@ def entitlement_form(**overrides: Any) -> dict[str, Any]:
         "concurrency": "4",
         "default_max_tokens": "",
         "queue_max": "",
+        "queue_max_wait_ms": "",
         "expires_at": "",
     }
     data.update(overrides)
@@ -199,3 +200,43 @@ def test_expiry_from_the_browser_picker_is_read_as_utc(owner: Any, acme: Any, po
 
     edit_page = client.get(reverse("ui:entitlement-edit", kwargs={"name": "old"})).content.decode()
     assert 'value="2020-01-02T03:04"' in edit_page  # the picker shows what was saved
+
+
+def test_the_queue_is_set_on_the_form_and_blank_is_the_class_default(owner: Any, acme: Any, pool: Any) -> None:
+    client = client_for(owner)
+    form_page = client.get(reverse("ui:entitlement-create")).content.decode()
+    assert "Queue size" in form_page and "Queue wait (ms)" in form_page and "Blank: the class default" in form_page
+    client.post(reverse("ui:entitlement-create"), entitlement_form(tenant=acme.pk))
+    blank = TokenEntitlement.objects.get(name="acme-new")
+    assert (blank.queue_max, blank.queue_max_wait_ms) == (None, None)
+    detail = client.get(reverse("ui:entitlement-detail", kwargs={"name": "acme-new"})).content.decode()
+    assert "up to 8 waiting (class default), 1000 ms each (class default)" in detail
+
+    url = reverse("ui:entitlement-edit", kwargs={"name": "acme-new"})
+    data = entitlement_form(queue_max="0", queue_max_wait_ms="600000")
+    del data["name"]
+    assert client.post(url, data).status_code == 302
+    blank.refresh_from_db()
+    assert (blank.queue_max, blank.queue_max_wait_ms) == (0, 600_000)
+    detail = client.get(reverse("ui:entitlement-detail", kwargs={"name": "acme-new"})).content.decode()
+    assert "none: refused at once" in detail
+    assert 'name="queue_max" value="0"' in client.get(url).content.decode()  # 0 is shown, not blanked
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("queue_max", "-1", "must be 0 or more"),
+        ("queue_max", "2.5", "Enter a whole number"),
+        ("queue_max_wait_ms", "-1", "must be from 0 to 600000 ms"),
+        ("queue_max_wait_ms", "600001", "must be from 0 to 600000 ms (10 minutes)"),
+        ("queue_max_wait_ms", "soon", "Enter a whole number"),
+    ],
+)
+def test_bad_queue_values_come_back_on_their_field(owner: Any, acme: Any, pool: Any, field: str, value: str,
+                                                   words: str) -> None:
+    response = client_for(owner).post(reverse("ui:entitlement-create"), entitlement_form(tenant=acme.pk,
+                                                                                          **{field: value}))
+    assert response.status_code == 200
+    assert words in " ".join(response.context["form"].errors[field])
+    assert not TokenEntitlement.objects.filter(name="acme-new").exists()

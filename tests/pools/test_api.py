@@ -176,3 +176,47 @@ def test_schema_and_its_ui_are_served(owner: Any) -> None:
         assert path in text
     assert "slo_target_ms" in text and "service_class" in text
     assert client.get("/api/schema/ui/").status_code == 200
+
+
+def test_queue_fields_read_back_stored_and_effective(owner: Any, pool: Any) -> None:
+    client = client_as(owner)
+    body = client.post("/api/v1/entitlements/", ENT_BODY, format="json").json()
+    # Blank: null as stored, the guaranteed class's default in effect
+    assert (body["queue_max"], body["queue_max_wait_ms"]) == (None, None)
+    assert body["queue_effective"] == {"max": 8, "max_wait_ms": 1000}
+    changed = client.patch("/api/v1/entitlements/acme-one/", {"queue_max": 0, "queue_max_wait_ms": 600_000},
+                           format="json")
+    assert changed.status_code == 200, changed.json()
+    body = client.get("/api/v1/entitlements/acme-one/").json()
+    assert (body["queue_max"], body["queue_max_wait_ms"]) == (0, 600_000)
+    assert body["queue_effective"] == {"max": 0, "max_wait_ms": 600_000}
+    client.patch("/api/v1/entitlements/acme-one/", {"queue_max": None}, format="json")
+    assert client.get("/api/v1/entitlements/acme-one/").json()["queue_effective"]["max"] == 8
+    spot = client.post("/api/v1/entitlements/", {**ENT_BODY, "name": "acme-spot", "service_class": "spot"},
+                       format="json").json()
+    assert spot["queue_effective"] == {"max": 0, "max_wait_ms": 0}
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "words"),
+    [
+        ({"queue_max": -1}, "queue_max", "0 or more"),
+        ({"queue_max": 2.5}, "queue_max", "valid integer"),
+        ({"queue_max": "many"}, "queue_max", "valid integer"),
+        ({"queue_max": True}, "queue_max", "valid integer"),
+        ({"queue_max_wait_ms": -1}, "queue_max_wait_ms", "from 0 to 600000 ms"),
+        ({"queue_max_wait_ms": 600_001}, "queue_max_wait_ms", "from 0 to 600000 ms (10 minutes)"),
+        ({"queue_max_wait_ms": 0.5}, "queue_max_wait_ms", "valid integer"),
+    ],
+)
+def test_bad_queue_input_is_a_400_with_a_field_error(owner: Any, pool: Any, changes: dict, field: str,
+                                                     words: str) -> None:
+    client = client_as(owner)
+    response = client.post("/api/v1/entitlements/", {**ENT_BODY, **changes}, format="json")
+    assert response.status_code == 400
+    assert words in " ".join(response.json()[field]), response.json()
+    assert TokenEntitlement.objects.count() == 0
+    assert client.post("/api/v1/entitlements/", ENT_BODY, format="json").status_code == 201
+    patched = client.patch("/api/v1/entitlements/acme-one/", changes, format="json")
+    assert patched.status_code == 400 and field in patched.json()
+    assert TokenEntitlement.objects.get().queue_max is None

@@ -93,7 +93,8 @@ def test_optional_fields_round_trip(acme: Any) -> None:
     assert (ent.default_max_tokens, ent.queue_max, ent.expires_at.year, float(ent.kv_cache_gib)) == (512, 8, 2099, 0.5)
     exported = yaml.safe_load_all(manifests_export(user=SYSTEM))
     spec = [d for d in exported if d["kind"] == "TokenEntitlement"][0]["spec"]
-    assert spec["limits"] == {"defaultMaxTokens": 512, "queueMax": 8}
+    # queueMax is read as the old name of spec.qos.queue.max; export writes the new form
+    assert spec["limits"] == {"defaultMaxTokens": 512} and spec["qos"]["queue"] == {"max": 8}
     assert spec["resources"]["kvCacheGiB"] == 0.5
     assert manifests_apply(actor=SYSTEM, documents=docs).summary()["unchanged"] == 2
 

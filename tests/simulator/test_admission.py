@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from apps.policy.errors import PolicyConfigError
 from apps.simulator.admission import TokenPoolsAdmission
 from apps.simulator.factory import build_admission
 from apps.simulator.simulation import CapacityEvent, SimConfig, Simulation
@@ -111,3 +114,10 @@ def test_a_quota_refuses_within_its_hour_and_the_next_hour_starts_afresh():
     assert ledger.counters.by_reason.get("quota_exceeded", 0) > 3000  # about 1 request a second, 10 served
     assert ledger.counters.admitted == 20  # 10 in the first hour, 10 in the second
     assert ledger.quotas.holds == {}
+
+
+def test_bad_entitlement_keys_and_queue_values_are_config_errors():
+    with pytest.raises(PolicyConfigError, match="tenant 'gold': entitlement: .*'queue_size'"):
+        TokenPoolsAdmission([TenantSpec("gold", concurrency=1, entitlement={"queue_size": 2}, **SHORT)])
+    with pytest.raises(PolicyConfigError, match="queue_max_wait_ms must be a number from 0 to 600000"):
+        TokenPoolsAdmission([TenantSpec("gold", concurrency=1, entitlement={"queue_max_wait_ms": 700_000}, **SHORT)])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from apps.simulator.cli import main
-from apps.simulator.scenario import SCENARIO_KEYS, load_scenario, parse_scenario
+from apps.simulator.scenario import SCENARIO_KEYS, ScenarioError, load_scenario, parse_scenario
 
 SHIPPED = sorted((Path(__file__).resolve().parents[2] / "apps" / "simulator" / "scenarios").glob("*.yaml"))
 
@@ -134,3 +134,39 @@ def test_flow_control_options_run_and_conserve(argv, capsys):
 
 def test_scenario_keys_are_documented():
     assert {"tenants", "cluster", "admission", "capacity_events"} <= SCENARIO_KEYS
+
+
+def _one_tenant(entitlement: dict) -> dict:
+    return {"horizon_s": 5, "cluster": {"latency_model": "fixed"},
+            "tenants": [{"name": "gold", "concurrency": 2, "entitlement": entitlement}]}
+
+
+def test_an_entitlements_queue_reaches_the_ledgers_limits():
+    from apps.simulator.admission import TokenPoolsAdmission
+
+    scenario = parse_scenario(_one_tenant({"service_class": "guaranteed", "concurrency": 2, "queue_max": 2,
+                                           "queue_max_wait_ms": 500}))
+    limits = TokenPoolsAdmission(scenario.config.tenants).limits["gold"]
+    assert (limits.own_queue_max, limits.own_queue_wait_s) == (2, 0.5)
+    default = parse_scenario(_one_tenant({"service_class": "elastic", "concurrency": 2}))
+    limits = TokenPoolsAdmission(default.config.tenants).limits["gold"]
+    assert (limits.own_queue_max, limits.own_queue_wait_s) == (4, 1.0)  # elastic's default
+
+
+@pytest.mark.parametrize(
+    ("entitlement", "words"),
+    [
+        ({"queue_max": -1}, "queue_max must be a non-negative integer"),
+        ({"queue_max": 1.5}, "queue_max must be a non-negative integer"),
+        ({"queue_max": True}, "queue_max must be a non-negative integer"),
+        ({"queue_max_wait_ms": 600_001}, "queue_max_wait_ms must be a number from 0 to 600000 (10 minutes)"),
+        ({"queue_max_wait_ms": -1}, "queue_max_wait_ms must be a number from 0 to 600000"),
+        ({"queue_max_wait_ms": "soon"}, "queue_max_wait_ms must be a number"),
+        ({"queue_maxx": 2}, "unexpected keyword argument 'queue_maxx'"),
+    ],
+)
+def test_a_bad_entitlement_names_the_file_the_tenant_and_the_field(entitlement: dict, words: str):
+    with pytest.raises(ScenarioError) as raised:
+        parse_scenario(_one_tenant({"service_class": "guaranteed", **entitlement}), "bad.yaml")
+    message = str(raised.value)
+    assert message.startswith("bad.yaml: tenants[gold].entitlement: ") and words in message, message

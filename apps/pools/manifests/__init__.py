@@ -1,10 +1,11 @@
 """GitOps manifests: apply and export ``Tenant``, ``TokenPool`` and ``TokenEntitlement`` documents.
 
 ``apiVersion: tokenpools.io/v1alpha1``. The entitlement is the seed's section 4.2 shape (``tenantId`` is
-a tenant slug) plus optional ``spec.expiresAt``, ``spec.limits.{defaultMaxTokens, queueMax}`` and
-``spec.quota`` ({tokens | amount + currency, window: hour|day|month, timezone}). A ``Tenant`` declares the
-tenant itself (``apps.pools.manifests.tenants``). The pool extends the seed's shape so that capacity (and,
-optionally, prices per million tokens) is declared::
+a tenant slug) plus optional ``spec.expiresAt``, ``spec.limits.defaultMaxTokens``, ``spec.qos.queue``
+({max, maxWaitMs}: the entitlement's own queue, each absent for the class default; ``spec.limits.queueMax``
+is still read as ``max``'s old name) and ``spec.quota`` ({tokens | amount + currency, window:
+hour|day|month, timezone}). A ``Tenant`` declares the tenant itself (``apps.pools.manifests.tenants``). The
+pool extends the seed's shape so that capacity (and, optionally, prices per million tokens) is declared::
 
     kind: TokenPool
     metadata: {name: qwen3-8b}

@@ -52,20 +52,25 @@ def pool_to_manifest(pool: TokenPool) -> dict[str, Any]:
     }
 
 
+def _queue(ent: TokenEntitlement) -> dict[str, Any]:
+    """`queue: {max, maxWaitMs}` with the values set (0 included: a queue of none); none set: no key."""
+    queue = {k: v for k, v in (("max", ent.queue_max), ("maxWaitMs", ent.queue_max_wait_ms)) if v is not None}
+    return {"queue": queue} if queue else {}
+
+
 def entitlement_to_manifest(ent: TokenEntitlement) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "tenantId": ent.tenant.slug,
         "poolRef": {"name": ent.pool.name},
-        "qos": {"serviceClass": ent.service_class, "sloTargetMs": ent.slo_target_ms},
+        "qos": {"serviceClass": ent.service_class, "sloTargetMs": ent.slo_target_ms, **_queue(ent)},
         "resources": {
             "tokensPerSecond": ent.tokens_per_second,
             "kvCacheGiB": _number(ent.kv_cache_gib),
             "concurrency": ent.concurrency,
         },
     }
-    limits = {k: v for k, v in (("defaultMaxTokens", ent.default_max_tokens), ("queueMax", ent.queue_max)) if v}
-    if limits:
-        spec["limits"] = limits
+    if ent.default_max_tokens:
+        spec["limits"] = {"defaultMaxTokens": ent.default_max_tokens}
     if ent.has_quota:
         spec["quota"] = quota_to_manifest(ent)
     if ent.expires_at is not None:

@@ -10,7 +10,7 @@ from apps.policy import ServiceClass
 from apps.policy.quota import QUOTA_WINDOWS
 from apps.pools.manifests.limits import excerpt
 from apps.pools.manifests.reader import Reader, model_errors
-from apps.pools.models import BackendKind
+from apps.pools.models import QUEUE_WAIT_MAX_MS, BackendKind
 from apps.pools.services import _clean_replicas
 from apps.tenancy.models import Role
 
@@ -101,6 +101,20 @@ def read_pool(r: Reader) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return values, replicas
 
 
+def read_queue(r: Reader) -> dict[str, Any]:
+    """`spec.qos.queue` ({max, maxWaitMs}); `spec.limits.queueMax` is the old name of `max`, still read.
+    Absent: the service class's default (None)."""
+    size = r.integer("spec.qos.queue.max", required=False, minimum=0)
+    old = r.integer("spec.limits.queueMax", required=False, minimum=0)
+    if size is not None and old is not None and size != old:
+        r._fail("spec.qos.queue.max", f"is {size} but spec.limits.queueMax (its old name) is {old}; give one")
+    wait = r.integer("spec.qos.queue.maxWaitMs", required=False, minimum=0)
+    if wait is not None and wait > QUEUE_WAIT_MAX_MS:
+        r._fail("spec.qos.queue.maxWaitMs", f"must be at most {QUEUE_WAIT_MAX_MS} (10 minutes), got {wait}")
+        wait = None
+    return {"queue_max": old if size is None else size, "queue_max_wait_ms": wait}
+
+
 def read_entitlement(r: Reader) -> dict[str, Any]:
     service_class = r.string("spec.qos.serviceClass")
     known = [str(cls) for cls in ServiceClass]
@@ -115,7 +129,7 @@ def read_entitlement(r: Reader) -> dict[str, Any]:
         "kv_cache_gib": r.decimal("spec.resources.kvCacheGiB"),
         "concurrency": r.integer("spec.resources.concurrency"),
         "default_max_tokens": r.integer("spec.limits.defaultMaxTokens", required=False),
-        "queue_max": r.integer("spec.limits.queueMax", required=False),
+        **read_queue(r),
         "expires_at": r.timestamp("spec.expiresAt"),
         **read_quota(r),
     }

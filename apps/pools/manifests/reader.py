@@ -51,9 +51,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "spec": {
             "tenantId": None,
             "poolRef": {"name": None},
-            "qos": {"serviceClass": None, "sloTargetMs": None},
+            "qos": {"serviceClass": None, "sloTargetMs": None, "queue": {"max": None, "maxWaitMs": None}},
             "resources": {"tokensPerSecond": None, "kvCacheGiB": None, "concurrency": None},
-            "limits": {"defaultMaxTokens": None, "queueMax": None},
+            "limits": {"defaultMaxTokens": None, "queueMax": None},  # queueMax: spec.qos.queue.max's old name
             "quota": _QUOTA,
             "expiresAt": None,
         },
@@ -117,7 +117,8 @@ ENTITLEMENT_PATHS = {
     "kv_cache_gib": "spec.resources.kvCacheGiB",
     "concurrency": "spec.resources.concurrency",
     "default_max_tokens": "spec.limits.defaultMaxTokens",
-    "queue_max": "spec.limits.queueMax",
+    "queue_max": "spec.qos.queue.max",
+    "queue_max_wait_ms": "spec.qos.queue.maxWaitMs",
     "expires_at": "spec.expiresAt",
     **QUOTA_PATHS,
 }
