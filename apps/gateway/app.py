@@ -37,6 +37,7 @@ import httpx
 from apps.gateway.account import Accountant
 from apps.gateway.admission import Admission, Admitter, InFlight
 from apps.gateway.auth import authenticate, authorize_model
+from apps.gateway.background import BackgroundLoops
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import JSON_TYPE, ClientGone, RequestContext
 from apps.gateway.errors import GatewayError, unavailable
@@ -52,7 +53,6 @@ from apps.gateway.parse import (
     parse_request,
     read_body,
 )
-from apps.gateway.background import BackgroundLoops
 from apps.gateway.relay import relay, send_preempted
 from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.scheduler import PoolScheduler
