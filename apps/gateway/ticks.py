@@ -203,13 +203,6 @@ def tick_aimd() -> dict[str, AimdRecord]:
         return aimd_tick(state=state, pools=pools, params=params)
 
 
-def claim_tick(name: str, period_s: float) -> bool:
-    """True for one caller per `period_s` among every process sharing the control state: several
-    gateway processes each ticking the shared AIMD controller in-process (no Celery) take turns under
-    this short lock, so the pool's budget moves once a period, not once per process."""
-    return control_state().claim(f"tick:{name}", period_s)
-
-
 def desired_replicas_gauge() -> dict[tuple[str, ...], float]:
     """`tokenpools_pool_desired_replicas{pool}` values for `GatewayMetrics.add_gauge`: read from the
     control state, never the ORM, so it is safe inside the gateway's event loop."""
