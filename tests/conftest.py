@@ -43,14 +43,14 @@ def engine_backend() -> Iterator[str]:
 @pytest.fixture
 def memory_control(settings: Any) -> Iterator[Any]:
     """The control loops' state in this process (no Redis), installed as the process-wide one."""
-    from apps.gateway import loops
+    from apps.gateway import ticks
     from apps.gateway.control import MemoryControlState
 
     settings.REDIS_URL = ""
     state = MemoryControlState()
-    loops.reset_control_state(state)
+    ticks.reset_control_state(state)
     yield state
-    loops.reset_control_state(None)
+    ticks.reset_control_state(None)
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ from django.urls import path
 from rest_framework.routers import DefaultRouter
 
 from apps.gateway.api import UsageRecordViewSet
-from apps.operations.api import ApiKeyViewSet, TenantViewSet
-from apps.pools.api import ApplyView, EntitlementViewSet, ExportView, PoolViewSet
+from apps.operations.api import ApiKeyViewSet, EntitlementViewSet, TenantViewSet
+from apps.pools.api import ApplyView, ExportView, PoolViewSet
 from apps.tenancy.api import MembershipViewSet, UserViewSet
 from apps.tenancy.apiutils import FormParser, JSONParser, MultiPartParser
 from apps.tenancy.signin import LockoutObtainAuthToken

@@ -29,7 +29,8 @@ def with_lifespan(app: Any) -> Any:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    start_in_process_ticker()
+                    # The gateway's own services: the ticks that need its in-process store reach it through them.
+                    start_in_process_ticker(services=gateway_application().loops.tick_services())
                 except Exception as exc:
                     logger.exception("in-process ticker did not start")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})

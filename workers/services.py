@@ -3,7 +3,7 @@ returns what it did (for logs and tests). The runners (Celery, `run_ticks`, the 
 them through `workers.ticks.run_tick`, which adds the no-overlap and log-and-continue rules.
 
 The control loops of the gateway's state (debt/burst EWMA, AIMD) are services of the gateway
-(`apps.gateway.loops`); what these ticks publish for the gateway (replicas' saturation inputs, desired
+(`apps.gateway.ticks`); what these ticks publish for the gateway (replicas' saturation inputs, desired
 replicas) goes into its control state.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from django.conf import settings
 
-from apps.gateway.loops import control_state
+from apps.gateway.ticks import control_state
 
 
 def tick_scrape() -> Any:

@@ -45,8 +45,8 @@ class TickSpec:
 
 
 DEFAULT_TICKS: tuple[TickSpec, ...] = (
-    TickSpec("ewma", 1.0, "apps.gateway.loops:tick_ewma", "debt and burst EWMAs of every active entitlement"),
-    TickSpec("aimd", 5.0, "apps.gateway.loops:tick_aimd", "AIMD budget of every pool from its p99 TTFT window"),
+    TickSpec("ewma", 1.0, "apps.gateway.ticks:tick_ewma", "debt and burst EWMAs of every active entitlement"),
+    TickSpec("aimd", 5.0, "apps.gateway.ticks:tick_aimd", "AIMD budget of every pool from its p99 TTFT window"),
     TickSpec("scrape", 5.0, "workers.services:tick_scrape", "vLLM /metrics of every replica, measured capacity"),
     TickSpec("autoscale", 15.0, "workers.services:tick_autoscale", "desired replicas of every pool"),
     TickSpec("expiry", 30.0, "workers.services:tick_expiry", "entitlements past expires_at become Expired"),
@@ -241,19 +241,20 @@ _in_process_guard = threading.Lock()
 
 
 def ticks_mode() -> str:
-    """Who runs the ticks: 'celery', 'in-process' or 'off' (`apps.gateway.loops.ticks_mode`; imported on use,
+    """Who runs the ticks: 'celery', 'in-process' or 'off' (`apps.gateway.ticks.ticks_mode`; imported on use,
     so that importing this registry, as the settings do, stays free of the apps)."""
-    from apps.gateway.loops import ticks_mode as mode
+    from apps.gateway.ticks import ticks_mode as mode
 
     return mode()
 
 
-def start_in_process_ticker(names: Iterable[str] = IN_PROCESS_TICKS, *, force: bool = False) -> Ticker | None:
+def start_in_process_ticker(names: Iterable[str] = IN_PROCESS_TICKS, *, force: bool = False,
+                            services: Mapping[str, Callable[[], Any]] | None = None) -> Ticker | None:
     """Start the ticks inside this process (once; later calls return the same ticker).
 
     When Celery runs the ticks (`ticks_mode()`), only the server-only ones start here, unless `force`. Call it from the
-    server's startup: when called inside a running event loop, that loop is remembered so that ticks
-    reach the gateway's in-process state store on it (`workers.services.bind_gateway_loop`).
+    server's startup with the gateway's own `services` (`BackgroundLoops.tick_services()`): the ticks that need
+    the gateway's in-process state store reach it through them.
     """
     global _in_process
     mode = ticks_mode()
@@ -265,10 +266,7 @@ def start_in_process_ticker(names: Iterable[str] = IN_PROCESS_TICKS, *, force: b
             return None
     with _in_process_guard:
         if _in_process is None:
-            from apps.gateway.loops import bind_gateway_loop
-
-            bind_gateway_loop()
-            _in_process = Ticker(tick_specs(names))
+            _in_process = Ticker(tick_specs(names), services=services)
             _in_process.start()
             logger.info("in-process ticker started: %s", ", ".join(_in_process.specs))
         return _in_process

@@ -605,11 +605,11 @@ async def publish_pool_samples(*, now: float | None = None, gateway: Any = None)
 
 def _bound_loop() -> asyncio.AbstractEventLoop | None:
     """The server's event loop, where the in-process gateway state and the in-memory channel layer live:
-    the one the gateway bound (apps.gateway.loops), else the page-driven sampler's; a loop that stopped (a
+    the one the gateway runs on (once started), else the page-driven sampler's; a loop that stopped (a
     server that went away) does not count."""
-    from apps.gateway.loops import gateway_loop
+    from apps.gateway.asgi import gateway_application
 
-    for loop in (gateway_loop(), _server_loop):
+    for loop in (gateway_application().loops.loop, _server_loop):
         if loop is not None and loop.is_running():
             return loop
     return None

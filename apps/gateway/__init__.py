@@ -19,9 +19,9 @@ The state behind admission, one interface (state.py) and two implementations:
     redis_state.py  the same transitions as Lua scripts (lua/), for several gateway processes; proven equal to
                     the ledger by `make conformance` (tests/conformance)
 
-Around the requests: process.py (the periodic loops of a gateway process, its gauges, its clean stop),
-scheduler.py (per-pool DRR over the AIMD budget, seed 002), loops.py and control.py (the EWMA and AIMD
-control loops as the tick runners call them, and their state), snapshot.py (keys, entitlements and pools
+Around the requests: background.py (the background loops of a running gateway, its gauges, its clean stop),
+scheduler.py (per-pool DRR over the AIMD budget, seed 002), ticks.py (the EWMA and AIMD tick services the
+tick runners call, and the process's control state) and control.py (that state, and the shared AIMD tick), snapshot.py (keys, entitlements and pools
 loaded from the database when they change), metrics.py (Prometheus text), usage.py / services.py /
 models.py / api.py (usage records), asgi.py (`gateway_application()` and the path dispatcher the site uses).
 

@@ -19,7 +19,7 @@ to follow a request to the backend (tests/gateway/test_request_path.py traces it
 
 No Django request objects, middleware or ORM on this path: Django only loads snapshots and flushes usage,
 in threads. What the process runs besides requests (snapshot refresh, health probes, lease renewal, the
-AIMD tick, usage flushes, deferred releases, gauges) is in process.py.
+AIMD tick, usage flushes, deferred releases, gauges) is in background.py.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import httpx
 from apps.gateway.account import Accountant
 from apps.gateway.admission import Admission, Admitter, InFlight
 from apps.gateway.auth import authenticate, authorize_model
+from apps.gateway.background import BackgroundLoops
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import JSON_TYPE, ClientGone, RequestContext
 from apps.gateway.errors import GatewayError, unavailable
@@ -52,7 +53,6 @@ from apps.gateway.parse import (
     parse_request,
     read_body,
 )
-from apps.gateway.process import ProcessLoops
 from apps.gateway.relay import relay, send_preempted
 from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.scheduler import PoolScheduler
@@ -88,7 +88,7 @@ class Gateway:
         self.replicas: dict[str, ReplicaSet] = {}
         self.client: httpx.AsyncClient | None = None
         self.transport = transport
-        self.loops = ProcessLoops(self, control=control)
+        self.loops = BackgroundLoops(self, control=control)
         self.health = Health(self)
         self._timeout: dict[str, float | None] = {}
         self._synced: dict[str, PoolInfo] = {}
@@ -201,10 +201,7 @@ class Gateway:
     # --- ASGI ----------------------------------------------------------------------------------------
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
-            return
-        if scope["type"] != "http":
+        if scope["type"] != "http":  # the site's lifespan (tokenpools_site.lifespan) starts and stops it
             return
         ctx = RequestContext(scope, receive, send, "req_" + uuid.uuid4().hex)
         try:
@@ -227,16 +224,6 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await self._send_error(ctx, GatewayError(500, "internal_error", "Internal gateway error.",
                                                          error_type="server_error"))
-
-    async def _lifespan(self, receive: Any, send: Any) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.stop()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _route(self, ctx: RequestContext) -> None:
         path, method = ctx.scope["path"], ctx.scope["method"]

@@ -13,7 +13,6 @@ from apps.gateway.app import Gateway
 from apps.gateway.health import HEALTH_PATHS  # /healthz, /readyz, /health: probes answered by the gateway
 
 _gateway: Gateway | None = None
-GATEWAY_PREFIXES = ("/v1/", "/metrics")
 
 
 def gateway_application() -> Gateway:

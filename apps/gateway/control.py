@@ -2,7 +2,8 @@
 
 AIMD tick (seed 002): every 5 s, the p99 of the gateway's TTFT over the last 30 s moves each
 pool's budget: +1 below target x 0.8 when there is demand, multiplicative decrease above
-target x 1.2 (then a cooldown), hold in between. The controller itself is `apps.policy.AimdController`;
+target x 1.2 (then a cooldown), hold in between. The step itself is `apps.policy.aimd_step` (the same one the
+gateway's own per-process controller takes, `PoolScheduler.tick`);
 what it needs between ticks (cap, cooldown, the TTFT window) lives in a `ControlState`: in-process
 for the embedded server, Redis when several processes share it. With Redis there is one controller
 per pool (`aimd_tick_shared`): gateway processes add their TTFT counts to the shared window (`ttft_add`,
@@ -25,27 +26,13 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from apps.policy import AimdController, InstanceSnapshot, rebucket, ttft_histogram_bounds
-from apps.policy.aimd import histogram_quantile
+from apps.policy import AimdParams, AimdRecord, InstanceSnapshot, aimd_step, rebucket, ttft_histogram_bounds
+
+__all__ = ["AimdParams", "AimdRecord", "ControlState", "MemoryControlState", "aimd_tick", "aimd_tick_shared"]
 
 # --- shared control state -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class AimdRecord:
-    """A pool's AIMD controller between ticks, and what its last tick saw (for logs, the UI, tests)."""
-
-    cap: int
-    cooldown_left: int = 0
-    last_action: str = ""
-    p99_s: float | None = None
-    samples: int = 0
-    min_cap: int = 1
-    max_cap: int = 1
-    ticks: int = 0
 
 
 # The TTFT buckets of the seeds' 2 s target: what a control state counts in unless told its target.
@@ -223,19 +210,6 @@ class MemoryControlState(ControlState):
 # --- AIMD tick ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class AimdParams:
-    target_p99_s: float = 2.0
-    window_ticks: int = 6  # 30 s window / 5 s tick
-    band: float = 0.2
-    cooldown_ticks: int = 3
-    min_samples: int = 10
-    min_budget: int = 1
-    # The floor as a share of the pool's slots (the gateway's GATEWAY_BUDGET_MIN_FRACTION): the same
-    # floor whether one controller per process or one per pool tunes the budget.
-    min_budget_fraction: float = 0.0
-
-
 def aimd_tick(
     *,
     state: ControlState,
@@ -250,25 +224,10 @@ def aimd_tick(
     """
     records: dict[str, AimdRecord] = {}
     for pool, capacity in pools.items():
-        max_cap = max(1, int(capacity))
-        min_cap = min(max(1, params.min_budget, math.ceil(max_cap * params.min_budget_fraction)), max_cap)
-        previous = state.aimd_load(pool)
-        cap = max_cap if previous is None else min(max(previous.cap, min_cap), max_cap)
-        controller = AimdController(
-            params.target_p99_s, min_cap, max_cap, band=params.band, cooldown_ticks=params.cooldown_ticks,
-            min_samples=params.min_samples, initial_cap=cap,
-        )
-        controller.cooldown_left = 0 if previous is None else max(0, previous.cooldown_left)
         counts = state.ttft_rotate(pool, params.window_ticks)
-        samples = sum(counts)
-        p99 = histogram_quantile(0.99, state.bounds, counts)
-        has_demand = bool((in_flight or {}).get(pool, 0)) or samples > 0
-        controller.tick(None if p99 is None or math.isnan(p99) else p99, samples, has_demand)
-        record = AimdRecord(
-            cap=controller.cap, cooldown_left=controller.cooldown_left, last_action=controller.last_action,
-            p99_s=p99, samples=samples, min_cap=min_cap, max_cap=max_cap,
-            ticks=(previous.ticks if previous else 0) + 1,
-        )
+        has_demand = bool((in_flight or {}).get(pool, 0)) or sum(counts) > 0
+        record = aimd_step(state.aimd_load(pool), capacity=capacity, counts=counts, bounds=state.bounds,
+                           params=params, has_demand=has_demand)
         state.aimd_save(pool, record)
         records[pool] = record
     return records

@@ -5,7 +5,7 @@
 - `GET /readyz`: this process can serve (readiness): the database answers (checked at most once per
   `DATABASE_CACHE_S`), the state store answers a PING through its own client (the in-process store always
   does), and every pool has at least one replica the gateway holds healthy. What "healthy" means is what the
-  gateway already knows from its health probes and failed connections (routing.py, process.py): no backend is
+  gateway already knows from its health probes and failed connections (routing.py, background.py): no backend is
   probed per /readyz. 200 `{"status": "ok", "checks": {...}}`, else 503 with the same body saying what is not
   ready (`"status": "not ready"`, or `"starting"` while the gateway could not start yet). Pool names are
   site-wide and shown; nothing names a tenant or an entitlement, and errors are reduced to their type (a

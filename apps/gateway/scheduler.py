@@ -13,7 +13,7 @@ admission script itself when this process would dispatch at once (`slot_request`
 own; the reservation's release gives it back. The head of this process's dispatched-but-slotless
 waiters polls for a slot (woken at once by a release in this process) until the acquire timeout.
 Slots carry a lease the gateway's lease tick renews, so a dead process's slots come back. The budget
-itself is tuned by the one shared controller (`workers.dynamics.aimd_tick_shared`), which reads the TTFT
+itself is tuned by the one shared controller (`apps.gateway.control.aimd_tick_shared`), which reads the TTFT
 counts every process flushes (`take_ttft`) and publishes the budget the slot script enforces.
 """
 
@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Coroutine, Iterable
+from dataclasses import replace
 from typing import Any
 
 from apps.gateway.errors import GatewayError, rejected, unavailable
@@ -37,7 +38,16 @@ from apps.gateway.state import (
     StateStoreBusy,
     StateStoreUnavailable,
 )
-from apps.policy import CLASS_TRAITS, AimdController, BudgetScheduler, FlowConfig, LatencyHistogram
+from apps.policy import (
+    CLASS_TRAITS,
+    AimdParams,
+    BudgetScheduler,
+    FlowConfig,
+    LatencyHistogram,
+    aimd_step,
+    ttft_histogram_bounds,
+)
+from apps.policy.aimd import aimd_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +82,13 @@ class PoolScheduler:
         self.capacity = max(1, capacity)
         self.acquire_timeout_s = acquire_timeout_s
         self.scheduler = BudgetScheduler(self.capacity, default_flow=FlowConfig(), acquire_timeout_s=acquire_timeout_s)
-        self.min_budget, self.min_budget_fraction = min_budget, min_budget_fraction
-        self.aimd = AimdController(ttft_target_s, self._floor(self.capacity), self.capacity, initial_cap=self.capacity)
+        self.aimd_params = AimdParams(target_p99_s=ttft_target_s, window_ticks=window_ticks, min_budget=min_budget,
+                                      min_budget_fraction=min_budget_fraction)
+        # This process's own controller between ticks (`apps.policy.aimd_step`, the shared controller's step).
+        self.aimd = aimd_bounds(None, self.capacity, self.aimd_params)
         # Bounds at the deadband's edges: the controller's p99 is then a measurement, not interpolation.
-        self.histogram = LatencyHistogram(self.aimd.histogram_bounds(), window_ticks=window_ticks)
+        self.histogram = LatencyHistogram(ttft_histogram_bounds(ttft_target_s, self.aimd_params.band),
+                                          window_ticks=window_ticks)
         # Shared budget (a store shared by several processes): None keeps this process's own controller.
         self.store = store if store is not None and store.shares_budget else None
         self.fail_open, self.slot_lease_s = fail_open, slot_lease_s
@@ -86,22 +99,14 @@ class PoolScheduler:
         self._background: set[asyncio.Task] = set()
         self._pending = [0] * (len(self.histogram.bounds) + 1)  # TTFT counts not flushed yet
 
-    def _floor(self, capacity: int) -> int:
-        # Seed 002, fix #1: below some budget, cutting concurrency only lengthens the queue and the
-        # TTFT the controller reacts to (the death spiral), so the floor scales with the pool.
-        floor = max(1, self.min_budget, math.ceil(capacity * self.min_budget_fraction))
-        return min(floor, capacity)
-
     def resize(self, capacity: int) -> None:
         """Pool capacity changed (replicas enabled/disabled): new AIMD bounds, the cap clipped into them."""
         capacity = max(1, capacity)
         if capacity == self.capacity:
             return
         self.capacity = capacity
-        old = self.aimd
-        floor = self._floor(capacity)
-        cap = min(max(old.cap, floor), capacity)
-        self.aimd = AimdController(old.target_p99_s, floor, capacity, initial_cap=cap)
+        # New floor and ceiling, the cap clipped into them; a resize ends a cooldown (a new controller).
+        self.aimd = replace(aimd_bounds(self.aimd, capacity, self.aimd_params), cooldown_left=0)
         self._set_budget(min(self.budget, capacity) if self.shared else self.aimd.cap)
 
     @property
@@ -352,7 +357,11 @@ class PoolScheduler:
         if self.store is not None:
             self.histogram.rotate()
             return self.budget
-        cap = self.aimd.tick_histogram(self.histogram, self.scheduler.has_demand)
+        self.aimd = aimd_step(self.aimd, capacity=self.capacity, counts=self.histogram.counts(),
+                              bounds=self.histogram.bounds, params=self.aimd_params,
+                              has_demand=self.scheduler.has_demand)
+        self.histogram.rotate()
+        cap = self.aimd.cap
         if cap != self.scheduler.budget:
             self._wake(self.scheduler.set_budget(cap, time.monotonic()))
         return cap

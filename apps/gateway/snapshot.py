@@ -13,7 +13,6 @@ import concurrent.futures
 import datetime as dt
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -223,7 +222,6 @@ class SnapshotCache:
         self._last_marker: Any = None
         # One thread keeps one database connection for all the loads of this process.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="gw-snapshot")
-        self.loaded_at = 0.0
 
     async def _in_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, _with_db_cleanup, fn)
@@ -236,7 +234,6 @@ class SnapshotCache:
         snapshot = await self._in_thread(self._loader)
         self.current = snapshot
         self._last_marker = marker
-        self.loaded_at = time.monotonic()
         return True
 
     async def get(self) -> Snapshot:
@@ -244,16 +241,6 @@ class SnapshotCache:
             await self.refresh(force=True)
         assert self.current is not None
         return self.current
-
-    async def run(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep serving the last good snapshot; the database may come back
-                logger.exception("gateway snapshot refresh failed")
-            await asyncio.sleep(self.config.snapshot_poll_s)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)

@@ -25,14 +25,26 @@ from apps.operations.serializers import (
     ApiKeyRotatedSerializer,
     ApiKeyRotateSerializer,
     ApiKeySerializer,
+    EntitlementWithQuotaSerializer,
     TenantWithQuotaSerializer,
 )
 from apps.operations.tenants import tenant_delete, tenant_save
+from apps.pools.api import EntitlementViewSet as PoolsEntitlementViewSet
 from apps.tenancy import selectors as tenancy_selectors
 from apps.tenancy import services as tenancy_services
 from apps.tenancy.apiutils import NAME_IN_PATH, call_service
 from apps.tenancy.models import ApiKey, Tenant
 from apps.tenancy.permissions import SuperuserCreates
+
+
+class EntitlementViewSet(PoolsEntitlementViewSet):
+    """Entitlements of the user's tenants; owners create, change and delete them (members read).
+
+    Creating or changing one binds it at once: the response carries its ``state`` and ``state_reason``, and
+    its ``quota_status`` (the usage records live with the gateway: joined here, above pools).
+    """
+
+    serializer_class = EntitlementWithQuotaSerializer
 
 
 class TenantViewSet(viewsets.ModelViewSet):

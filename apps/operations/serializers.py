@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
-from apps.gateway.quotas import tenant_quota_status
+from apps.gateway.quotas import entitlement_quota_status, tenant_quota_status
 from apps.pools.selectors import entitlement_list
+from apps.pools.serializers import EntitlementSerializer
 from apps.tenancy.models import ApiKey, Tenant
 from apps.tenancy.serializers import QuotaStatusSerializer, TenantSerializer, request_user
 from apps.tenancy.services import DEFAULT_ROTATION_GRACE_S, MAX_ROTATION_GRACE_S
@@ -26,6 +27,26 @@ class TenantWithQuotaSerializer(TenantSerializer):
     @extend_schema_field(QuotaStatusSerializer(allow_null=True))
     def get_quota_status(self, tenant: Tenant) -> dict[str, Any] | None:
         return tenant_quota_status(tenant)
+
+
+def _after(fields: list[str], anchor: str, name: str) -> list[str]:
+    index = fields.index(anchor) + 1
+    return [*fields[:index], name, *fields[index:]]
+
+
+@extend_schema_serializer(component_name="Entitlement")
+class EntitlementWithQuotaSerializer(EntitlementSerializer):
+    """An entitlement with its own quota's current window (the usage records live with the gateway: pools
+    never import it, this layer above both joins them)."""
+
+    quota_status = serializers.SerializerMethodField()
+
+    class Meta(EntitlementSerializer.Meta):
+        fields = _after(list(EntitlementSerializer.Meta.fields), "quota_timezone", "quota_status")
+
+    @extend_schema_field(QuotaStatusSerializer(allow_null=True))
+    def get_quota_status(self, ent: Any) -> dict[str, Any] | None:
+        return entitlement_quota_status(ent)
 
 
 class ApiKeySerializer(serializers.ModelSerializer):

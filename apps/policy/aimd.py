@@ -19,6 +19,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from apps.policy.errors import PolicyConfigError, require_finite, require_positive
 
@@ -205,3 +206,67 @@ class AimdController:
         cap = self.tick(histogram.quantile(0.99), histogram.count, has_demand)
         histogram.rotate()
         return cap
+
+
+def aimd_floor(capacity: int, min_budget: int = 1, min_fraction: float = 0.0) -> int:
+    """The lowest budget the controller may cut a pool of `capacity` slots to (seed 002, fix #1): below some
+    budget, cutting concurrency only lengthens the queue and the TTFT the controller reacts to (the death
+    spiral), so the floor scales with the pool; never above the pool itself."""
+    capacity = max(1, int(capacity))
+    return min(max(1, min_budget, math.ceil(capacity * min_fraction)), capacity)
+
+
+@dataclass(frozen=True, slots=True)
+class AimdParams:
+    target_p99_s: float = 2.0
+    window_ticks: int = 6  # 30 s window / 5 s tick
+    band: float = 0.2
+    cooldown_ticks: int = 3
+    min_samples: int = 10
+    min_budget: int = 1
+    # The floor as a share of the pool's slots (the gateway's GATEWAY_BUDGET_MIN_FRACTION): the same
+    # floor whether one controller per process or one per pool tunes the budget.
+    min_budget_fraction: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AimdRecord:
+    """A pool's AIMD controller between ticks, and what its last tick saw (for logs, the UI, tests)."""
+
+    cap: int
+    cooldown_left: int = 0
+    last_action: str = ""
+    p99_s: float | None = None
+    samples: int = 0
+    min_cap: int = 1
+    max_cap: int = 1
+    ticks: int = 0
+
+
+def aimd_bounds(previous: AimdRecord | None, capacity: int, params: AimdParams) -> AimdRecord:
+    """The controller of a pool of `capacity` slots before its next step: floor and ceiling from the pool, the
+    cap clipped into them (a new pool starts at its ceiling); cooldown and history carried over."""
+    max_cap = max(1, int(capacity))
+    min_cap = aimd_floor(max_cap, params.min_budget, params.min_budget_fraction)
+    if previous is None:
+        return AimdRecord(cap=max_cap, min_cap=min_cap, max_cap=max_cap)
+    cap = min(max(previous.cap, min_cap), max_cap)
+    return replace(previous, cap=cap, min_cap=min_cap, max_cap=max_cap, cooldown_left=max(0, previous.cooldown_left))
+
+
+def aimd_step(previous: AimdRecord | None, *, capacity: int, counts: Sequence[int], bounds: Sequence[float],
+              params: AimdParams, has_demand: bool) -> AimdRecord:
+    """One AIMD step of a pool's budget (the one step both the gateway's own controller and the pool's shared
+    one take): `counts` are the TTFT window's bucket counts over `bounds` (+Inf last)."""
+    start = aimd_bounds(previous, capacity, params)
+    controller = AimdController(
+        params.target_p99_s, start.min_cap, start.max_cap, band=params.band, cooldown_ticks=params.cooldown_ticks,
+        min_samples=params.min_samples, initial_cap=start.cap,
+    )
+    controller.cooldown_left = start.cooldown_left
+    samples = sum(counts)
+    p99 = histogram_quantile(0.99, bounds, counts)
+    controller.tick(None if p99 is None or math.isnan(p99) else p99, samples, has_demand)
+    return AimdRecord(cap=controller.cap, cooldown_left=controller.cooldown_left, last_action=controller.last_action,
+                      p99_s=p99, samples=samples, min_cap=start.min_cap, max_cap=start.max_cap,
+                      ticks=(previous.ticks if previous else 0) + 1)

@@ -7,7 +7,6 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from apps.gateway.quotas import entitlement_quota_status
 from apps.pools.manifests.reader import API_VERSION, KINDS
 from apps.pools.models import (
     QUEUE_DEFAULTS_HELP,
@@ -24,7 +23,6 @@ from apps.pools.models import (
 from apps.pools.selectors import pool_usage
 from apps.tenancy.models import Tenant
 from apps.tenancy.selectors import tenant_list
-from apps.tenancy.serializers import QuotaStatusSerializer
 
 
 def _capacity_dict(cap: Capacity) -> dict[str, Any]:
@@ -125,7 +123,6 @@ class EntitlementSerializer(serializers.ModelSerializer):
     pool = serializers.SlugRelatedField(slug_field="name", queryset=TokenPool.objects.all(), help_text="pool name")
     service_class = serializers.ChoiceField(choices=SERVICE_CLASS_CHOICES, help_text=SERVICE_CLASS_HELP)
     kv_cache_gib = serializers.DecimalField(max_digits=12, decimal_places=3)
-    quota_status = serializers.SerializerMethodField()
     # Declared without bounds: the model's validators answer (one message for the API, the form and apply).
     queue_max = serializers.IntegerField(
         required=False, allow_null=True,
@@ -149,7 +146,7 @@ class EntitlementSerializer(serializers.ModelSerializer):
             "name", "tenant", "pool", "service_class", "weight", "slo_target_ms", "tokens_per_second",
             "kv_cache_gib", "concurrency", "default_max_tokens", "queue_max", "queue_max_wait_ms", "queue_effective",
             "expires_at", "quota_tokens",
-            "quota_amount", "quota_currency", "quota_window", "quota_timezone", "quota_status", "state", "state_reason",
+            "quota_amount", "quota_currency", "quota_window", "quota_timezone", "state", "state_reason",
             "state_changed_at", "created_at", "updated_at",
         ]
         read_only_fields = ["state", "state_reason", "state_changed_at", "created_at", "updated_at"]
@@ -177,9 +174,6 @@ class EntitlementSerializer(serializers.ModelSerializer):
         size, wait = ent.queue_effective
         return {"max": size, "max_wait_ms": wait}
 
-    @extend_schema_field(QuotaStatusSerializer(allow_null=True))
-    def get_quota_status(self, ent: TokenEntitlement) -> dict[str, Any] | None:
-        return entitlement_quota_status(ent)
 
     def to_representation(self, ent: TokenEntitlement) -> dict[str, Any]:
         data = super().to_representation(ent)

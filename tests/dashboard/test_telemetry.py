@@ -282,7 +282,6 @@ def test_publish_tick_from_a_thread_runs_on_the_server_loop(gateway: Gateway, mo
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     monkeypatch.setattr(telemetry, "_server_loop", loop)
-    monkeypatch.setattr("apps.gateway.loops._gateway_loop", None)  # no in-process ticker bound in this test
     seen_on: list[threading.Thread] = []
     original = telemetry.collect_pool_sample
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -129,7 +130,7 @@ def test_budget_floor_scales_with_the_pool_and_resizes() -> None:
         for _ in range(20):
             s.observe_ttft(30.0)
         s.tick()
-        s.aimd.cooldown_left = 0
+        s.aimd = replace(s.aimd, cooldown_left=0)
     assert s.budget == 16  # 64 -> 32 -> 16, then held at the floor
     s.resize(8)
     assert (s.aimd.min_cap, s.aimd.max_cap, s.budget) == (2, 8, 8)

@@ -157,3 +157,18 @@ def test_one_set_of_ttft_bounds_per_target_and_counts_moved_between_sets() -> No
     counts = rebucket([(1.6, 3), (2.4, 2), (3.0, 1), (math.inf, 4)], fine)
     assert counts[fine.index(1.6)] == 3 and counts[fine.index(2.4)] == 2
     assert counts[fine.index(5.0)] == 1 and counts[-1] == 4 and sum(counts) == 10
+
+
+def test_one_step_for_every_controller_floor_from_the_pool() -> None:
+    from apps.policy import AimdParams, aimd_floor, aimd_step
+
+    assert [aimd_floor(64, 1, 0.25), aimd_floor(8, 1, 0.25), aimd_floor(3, 5, 0.0)] == [16, 2, 3]
+    params = AimdParams(target_p99_s=1.0, min_budget_fraction=0.25)
+    bounds = (0.5, 1.0, 2.0)
+    hot = [0, 0, 0, 20]  # every sample above 2 s: far above the band
+    first = aimd_step(None, capacity=64, counts=hot, bounds=bounds, params=params, has_demand=True)
+    assert (first.cap, first.last_action, first.cooldown_left, first.min_cap) == (32, "decrease", 3, 16)
+    held = aimd_step(first, capacity=64, counts=hot, bounds=bounds, params=params, has_demand=True)
+    assert (held.cap, held.last_action, held.ticks) == (32, "hold_cooldown", 2)
+    shrunk = aimd_step(held, capacity=8, counts=[], bounds=bounds, params=params, has_demand=False)
+    assert (shrunk.cap, shrunk.min_cap, shrunk.max_cap) == (8, 2, 8)  # clipped into the smaller pool

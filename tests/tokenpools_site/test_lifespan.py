@@ -14,7 +14,14 @@ import tokenpools_site.lifespan as lifespan
 def test_the_lifespan_starts_and_stops_the_gateway_and_the_ticker(monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[str] = []
 
+    class FakeLoops:
+        def tick_services(self) -> dict[str, Any]:
+            events.append("gateway services")
+            return {}
+
     class FakeGateway:
+        loops = FakeLoops()
+
         async def start(self) -> None:
             events.append("gateway start")
 
@@ -23,7 +30,7 @@ def test_the_lifespan_starts_and_stops_the_gateway_and_the_ticker(monkeypatch: p
 
     gateway = FakeGateway()
     monkeypatch.setattr(lifespan, "gateway_application", lambda: gateway)
-    monkeypatch.setattr(lifespan, "start_in_process_ticker", lambda: events.append("ticker start"))
+    monkeypatch.setattr(lifespan, "start_in_process_ticker", lambda **_: events.append("ticker start"))
     monkeypatch.setattr(lifespan, "stop_in_process_ticker", lambda: events.append("ticker stop"))
 
     async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -41,12 +48,17 @@ def test_the_lifespan_starts_and_stops_the_gateway_and_the_ticker(monkeypatch: p
 
     asyncio.run(app({"type": "lifespan"}, receive, send))
     asyncio.run(app({"type": "http"}, receive, send))
-    assert events == ["ticker start", "gateway start", "gateway stop", "ticker stop", "http"]
+    assert events == ["gateway services", "ticker start", "gateway start", "gateway stop", "ticker stop", "http"]
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
 
 
 def test_a_gateway_that_cannot_start_yet_does_not_stop_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     class Unready:
+        class loops:  # noqa: N801 - the gateway's attribute
+            @staticmethod
+            def tick_services() -> dict[str, Any]:
+                return {}
+
         async def start(self) -> None:
             raise RuntimeError("no such table: pools_tokenpool")
 
@@ -54,7 +66,7 @@ def test_a_gateway_that_cannot_start_yet_does_not_stop_the_server(monkeypatch: p
             pass
 
     monkeypatch.setattr(lifespan, "gateway_application", Unready)
-    monkeypatch.setattr(lifespan, "start_in_process_ticker", lambda: None)
+    monkeypatch.setattr(lifespan, "start_in_process_ticker", lambda **_: None)
     monkeypatch.setattr(lifespan, "stop_in_process_ticker", lambda: None)
     incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
     sent: list[str] = []

@@ -12,7 +12,7 @@ from django.core.management import call_command
 from django.utils import timezone
 
 import workers.ticks as ticks_module
-from apps.gateway import loops
+from apps.gateway import ticks
 from apps.gateway.control import MemoryControlState
 from apps.policy import InstanceSnapshot
 from apps.pools.models import EntitlementState, TokenEntitlement, TokenPool
@@ -75,7 +75,7 @@ def test_autoscale_tick_uses_the_observed_token_demand(admin: Any, memory_contro
     memory_control.pool_demand_set({"tiny": 1000.0})
     assert run_tick("autoscale") is Outcome.RAN
     assert TokenPool.objects.get(pk=pool.pk).desired_replicas == 5
-    assert loops.desired_replicas_gauge() == {("tiny",): 5.0}
+    assert ticks.desired_replicas_gauge() == {("tiny",): 5.0}
 
 
 @pytest.mark.django_db

@@ -1,6 +1,6 @@
-"""The gateway's control loops as the periodic runners call them: the debt/burst tick reaching the
-in-process state machine on the server's loop, the AIMD tick bounded by capacity and published for every
-gateway process with Redis."""
+"""The gateway's tick services as the periodic runners call them: the debt/burst tick reaching the
+in-process state machine through the call its gateway hands it, the AIMD tick bounded by capacity and
+published for every gateway process with Redis."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from apps.gateway import loops
+from apps.gateway import ticks
+from apps.gateway.app import Gateway
 from apps.gateway.control import AimdRecord, MemoryControlState
 from apps.gateway.control_redis import RedisControlState
 from apps.gateway.memory_state import MemoryStateStore
@@ -26,27 +27,16 @@ from workers.ticks import Outcome, run_tick
 
 
 @pytest.fixture
-def gateway_loop(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[MemoryStateStore, Any]]:
+def gateway_loop(settings: Any) -> Iterator[tuple[MemoryStateStore, Any]]:
     """The embedded server: a running event loop holding the gateway's in-process state store."""
-    import apps.gateway.asgi as gateway_asgi
-
     settings.GATEWAY_STATE_BACKEND = "memory"
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     store = MemoryStateStore()
-
-    class FakeGateway:  # only the store is read by the ticks
-        pass
-
-    gateway = FakeGateway()
-    gateway.store = store  # type: ignore[attr-defined]
-    monkeypatch.setattr(gateway_asgi, "_gateway", gateway)
-    loops.bind_gateway_loop(loop)
     try:
         yield store, loop
     finally:
-        monkeypatch.setattr(loops, "_gateway_loop", None)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
@@ -71,7 +61,8 @@ def test_ewma_tick_reaches_the_in_process_state_machine(admin: Any, acme: Any, m
         return (await store.offer(limits=elastic, pool=info, request=AdmissionRequest("e1", 10, 90))).decision.reason
 
     assert asyncio.run_coroutine_threadsafe(underserve(), loop).result(30) == "pool_contended"
-    result = loops.tick_ewma()
+    # What the gateway hands the in-process ticker (`BackgroundLoops.store_call`): its store, on its loop.
+    result = ticks.tick_ewma(lambda fn: asyncio.run_coroutine_threadsafe(fn(store), loop).result(30))
 
     assert result is not None and result.dynamics["el"].debt > 0
     usage = asyncio.run_coroutine_threadsafe(store.entitlement_usage(limits=elastic, pool="tiny"), loop).result(30)
@@ -80,16 +71,24 @@ def test_ewma_tick_reaches_the_in_process_state_machine(admin: Any, acme: Any, m
 
 
 @pytest.mark.django_db
-def test_ewma_tick_waits_for_the_gateway_to_start(admin: Any, acme: Any, memory_control: Any, settings: Any,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import apps.gateway.asgi as gateway_asgi
-
+def test_ewma_tick_waits_for_the_gateway_to_start(admin: Any, acme: Any, memory_control: Any, settings: Any) -> None:
     settings.GATEWAY_STATE_BACKEND = "memory"
-    monkeypatch.setattr(loops, "_gateway_loop", None)
-    monkeypatch.setattr(gateway_asgi, "_gateway", None)
     make_entitlement(admin, acme, make_pool(admin), "el", "elastic")
-    assert loops.tick_ewma() is None
-    assert run_tick("ewma") is Outcome.RAN  # not a failure: there is nothing to tick yet
+    services = Gateway(store=MemoryStateStore()).loops.tick_services()  # a gateway not started yet
+    assert ticks.tick_ewma(Gateway(store=MemoryStateStore()).loops.store_call) is None
+    assert run_tick("ewma", services["ewma"]) is Outcome.RAN  # not a failure: there is nothing to tick yet
+
+
+@pytest.mark.django_db
+def test_ewma_tick_without_a_gateway_says_the_in_process_store_is_out_of_reach(
+    admin: Any, acme: Any, memory_control: Any, settings: Any
+) -> None:
+    settings.GATEWAY_STATE_BACKEND = "memory"
+    make_entitlement(admin, acme, make_pool(admin), "el", "elastic")
+    with pytest.raises(ticks.StoreUnavailable, match="GATEWAY_STATE_BACKEND=redis"):
+        ticks.with_gateway_store(lambda store: store.tick(entitlements={}))
+    assert ticks.tick_ewma() is None  # Celery or run_ticks beside the in-process store: nothing to tick
+    assert run_tick("ewma") is Outcome.RAN
 
 
 @pytest.mark.django_db
@@ -116,22 +115,21 @@ def test_ewma_tick_closes_the_window_of_the_redis_state_machine(admin: Any, acme
             await store.close()
 
     asyncio.run(refuse())
-    first = loops.tick_ewma()
+    first = ticks.tick_ewma()
     assert first is not None and first.dynamics["el-redis"].debt > 0
-    second = loops.tick_ewma()  # nothing wanted since: the debt decays
+    second = ticks.tick_ewma()  # nothing wanted since: the debt decays
     assert second is not None and 0 < second.dynamics["el-redis"].debt < first.dynamics["el-redis"].debt
 
 
 @pytest.mark.django_db
 def test_aimd_tick_bounds_the_budget_by_pool_capacity(admin: Any, memory_control: MemoryControlState,
-                                                      settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                      settings: Any) -> None:
     settings.GATEWAY_STATE_BACKEND = "memory"
-    monkeypatch.setattr(loops, "_gateway_loop", None)
     make_pool(admin, name="two", replicas=[{"url": "http://127.0.0.1:9"}, {"url": "http://127.0.0.1:10"},
                                            {"url": "http://127.0.0.1:11", "enabled": False}])
     for _ in range(20):
         memory_control.ttft_observe("two", 10.0)
-    records = loops.tick_aimd()
+    records = ticks.tick_aimd()
     # 2 enabled replicas x 16 slots = 32, halved on a p99 far above the 2 s target.
     assert records["two"] == memory_control.aimd_load("two")
     assert (records["two"].max_cap, records["two"].cap, records["two"].last_action) == (32, 16, "decrease")
@@ -153,14 +151,14 @@ def test_aimd_tick_publishes_the_shared_budget_every_gateway_process_enforces(
     make_pool(admin, name=name, replicas=[{"url": "http://127.0.0.1:9"}])  # 16 slots
     state = RedisControlState(url=redis_url, bounds=ttft_histogram_bounds(2.0))
     state.PREFIX = f"tokenpools:test:{uuid.uuid4().hex}:"
-    loops.reset_control_state(state)
+    ticks.reset_control_state(state)
     try:
         # Two gateway processes flush their counts (over their own, identical, buckets) into one window.
         for _ in range(2):
             counts = [0] * (len(state.bounds) + 1)
             counts[state.bucket(10.0)] = 6
             state.ttft_add(name, counts, ttft_histogram_bounds(2.0))
-        records = loops.tick_aimd()
+        records = ticks.tick_aimd()
 
         async def published() -> int | None:
             store = RedisStateStore(url=redis_url)
@@ -173,6 +171,6 @@ def test_aimd_tick_publishes_the_shared_budget_every_gateway_process_enforces(
         assert (records[name].samples, records[name].cap, records[name].last_action) == (12, 8, "decrease")
         assert asyncio.run(published()) == 8
     finally:
-        loops.reset_control_state(None)
+        ticks.reset_control_state(None)
         for key in state.redis.scan_iter(state.PREFIX + "*"):
             state.redis.delete(key)

@@ -1,4 +1,4 @@
-"""What a gateway process runs besides requests: its periodic loops, its gauges, and its clean stop.
+"""What a running gateway runs besides requests: its background loops, its gauges, and its clean stop.
 
 Loops (each logged and tried again next period when it fails):
 - snapshot refresh: keys, entitlements and pools from the database when they change, pools synced into the
@@ -9,6 +9,10 @@ Loops (each logged and tried again next period when it fails):
 - with a shared store, this process's TTFT counts flushed to the pool's window once a second;
 - usage records flushed to the database, and releases the store could not take retried;
 - always: other processes' starts, expiries and evictions delivered to this process (shared stores).
+
+The ticks of the control plane that need this gateway's in-process store (the debt/burst EWMA) reach it through
+`store_call`, handed to the in-process ticker by `tick_services()` at the server's start: no module global
+finds the running gateway or its event loop.
 """
 
 from __future__ import annotations
@@ -18,11 +22,23 @@ import contextlib
 import datetime as dt
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from apps.gateway.control import ControlState, aimd_tick_shared
+from apps.gateway.routing import probe_replicas
 from apps.gateway.scheduler import aimd_tick_all
 from apps.gateway.state import StateStoreUnavailable
+from apps.gateway.ticks import (
+    STORE_CALL_TIMEOUT_S,
+    StoreUnavailable,
+    aimd_params,
+    control_state,
+    desired_replicas_gauge,
+    tick_ewma,
+    ticks_mode,
+)
+from apps.gateway.usage import usage_batch_apply, usage_counts_parse
 from apps.policy.admission import request_priority
 
 if TYPE_CHECKING:
@@ -39,12 +55,14 @@ USAGE_CLAIM_LEASE_S = 30.0
 STORE_VIEW_S = 1.0
 
 
-class ProcessLoops:
-    def __init__(self, gateway: Gateway, *, control: Any = None) -> None:
+class BackgroundLoops:
+    def __init__(self, gateway: Gateway, *, control: ControlState | None = None) -> None:
         self.gateway = gateway
-        # The control loops' state (`apps.gateway.control.ControlState`; default `loops.control_state()`):
-        # with a shared store, this process's TTFT counts go to its window and the shared AIMD tick reads it.
+        # The control loops' state (default `ticks.control_state()`): with a shared store, this process's
+        # TTFT counts go to its window and the shared AIMD tick reads it.
         self.control = control
+        # The event loop the gateway runs on (set at start): its in-process store is only safe to touch there.
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: list[asyncio.Task] = []
         # The store's own in-flight counts (pool, entitlement) -> n, refreshed every STORE_VIEW_S for /metrics.
         self.store_in_flight: dict[tuple[str, ...], float] = {}
@@ -56,9 +74,7 @@ class ProcessLoops:
     def start(self) -> None:
         gateway = self.gateway
         assert gateway.store is not None
-        from apps.gateway.loops import bind_gateway_loop
-
-        bind_gateway_loop()  # the in-process ticker reaches this loop's state store through it
+        self.loop = asyncio.get_running_loop()
         config = gateway.config
         # What keeps the store right runs always: other processes' notices, deferred releases, leases.
         self._spawn(gateway.store.events_listen(), "gw-events")
@@ -92,6 +108,19 @@ class ProcessLoops:
 
         self._spawn(loop(), name)
 
+    def store_call(self, fn: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
+        """Run `fn(store)` on this gateway's loop against its store and return the result: blocking, for a
+        tick running in a thread of this process (`StoreUnavailable` until the gateway has started)."""
+        loop, store = self.loop, self.gateway.store
+        if store is None or loop is None or not loop.is_running():
+            raise StoreUnavailable("the gateway has not started yet")
+        return asyncio.run_coroutine_threadsafe(fn(store), loop).result(timeout=STORE_CALL_TIMEOUT_S)
+
+    def tick_services(self) -> dict[str, Callable[[], Any]]:
+        """The ticks of `workers.ticks` that need this gateway's store, bound to it (the in-process ticker's
+        services): the debt/burst EWMA closes the window of the store this gateway admits with."""
+        return {"ewma": lambda: tick_ewma(self.store_call)}
+
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
@@ -99,6 +128,7 @@ class ProcessLoops:
             with contextlib.suppress(BaseException):
                 await task
         self.tasks = []
+        self.loop = None
         gateway = self.gateway
         if hasattr(gateway, "accountant"):
             with contextlib.suppress(Exception):
@@ -137,8 +167,6 @@ class ProcessLoops:
             await asyncio.sleep(gateway.config.snapshot_poll_s)
 
     async def health_check(self) -> None:
-        from apps.gateway.routing import probe_replicas
-
         gateway = self.gateway
         await gateway.start()
         assert gateway.client is not None
@@ -197,8 +225,6 @@ class ProcessLoops:
         store, snapshot = gateway.store, gateway.snapshots.current
         if store is None or not store.records_usage or snapshot is None:
             return written
-        from apps.gateway.usage import usage_batch_apply, usage_counts_parse
-
         for pool in list(snapshot.pools):
             try:
                 claims = await store.usage_claim(pool=pool, token=uuid.uuid4().hex, lease_s=USAGE_CLAIM_LEASE_S)
@@ -258,10 +284,8 @@ class ProcessLoops:
     async def retry_releases(self) -> int:
         return await self.gateway.accountant.retry_pending()
 
-    def control_state(self) -> Any:
+    def control_state(self) -> ControlState:
         if self.control is None:
-            from apps.gateway.loops import control_state
-
             self.control = control_state()
         return self.control
 
@@ -273,8 +297,6 @@ class ProcessLoops:
         budgets = aimd_tick_all(list(gateway.schedulers.values()))  # shared: only the local windows move on
         if gateway.store is None or not gateway.store.shares_budget:
             return budgets
-        from apps.gateway.loops import ticks_mode
-
         control = self.control_state()
         if ticks_mode() == "in-process" and await asyncio.to_thread(
                 control.claim, "tick:aimd", 0.9 * gateway.config.aimd_tick_s):
@@ -286,9 +308,6 @@ class ProcessLoops:
     async def shared_aimd_tick(self) -> dict[str, int]:
         """One step of every pool's shared AIMD controller, the pools' capacities from the snapshot (no ORM
         on the server's loop)."""
-        from apps.gateway.control import aimd_tick_shared
-        from apps.gateway.loops import aimd_params
-
         gateway = self.gateway
         assert gateway.store is not None
         snapshot = gateway.snapshots.current or await gateway.snapshots.get()
@@ -369,8 +388,5 @@ class ProcessLoops:
                 ("entitlement", "quota", "currency"), quota(index, tokens=False))
         add("gateway_store_in_flight", "Requests the state store holds in flight (every process together), "
             "as last read.", ("pool", "entitlement"), lambda: dict(self.store_in_flight))
-
-        from apps.gateway.loops import desired_replicas_gauge
-
         add("tokenpools_pool_desired_replicas", "Replicas the pool should run (autoscaling signal).", ("pool",),
             desired_replicas_gauge)

@@ -1,5 +1,6 @@
-"""The control loops of the gateway's state, as services the periodic runners call (Celery beat, the
-`run_ticks` loop, the in-process ticker; `workers.ticks` holds the registry and the runners).
+"""The tick services of the gateway's state: what the periodic runners call (Celery beat, the `run_ticks`
+loop, the in-process ticker; `workers.ticks` holds the registry and the runners), and the process's control
+state they and the gateway's background loops (`apps.gateway.background`) share.
 
 EWMA tick (seed 000, section 3.3): the admission state machine of every pool closes its served/demand
 window (`GatewayStateStore.tick`, the same window and computation as the simulator's ledger) and prices
@@ -8,10 +9,12 @@ published for the autoscaling tick.
 
 AIMD tick (seed 002): one step of every pool's dispatch-budget controller (`apps.gateway.control`).
 
-State goes through the gateway's state store: the Redis store when `GATEWAY_STATE_BACKEND=redis` (one per
-tick run, closed after it), else the in-process store of the gateway living in this process, reached on
-the server's event loop (`bind_gateway_loop`). The control loops' own state is a `ControlState`: Redis
-when `REDIS_URL` is set, else in this process.
+State goes through the gateway's state store: the Redis store when `GATEWAY_STATE_BACKEND=redis` (the tick
+opens its own, closed after it), else the in-process store, which only the gateway holding it can reach: that
+gateway hands its `store_call` to the ticks it runs (`BackgroundLoops.tick_services`, given to the in-process
+ticker at the server's start). A tick run elsewhere with the in-process store (Celery, `run_ticks`) has no
+store to tick and says so (`StoreUnavailable`). The control loops' own state is a `ControlState`: Redis when
+`REDIS_URL` is set, else in this process.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from apps.gateway.control import (
     aimd_tick_shared,
 )
 from apps.gateway.control_redis import RedisControlState
+from apps.gateway.redis_state import RedisStateStore
 from apps.policy import Dynamics, EntitlementLimits, ttft_histogram_bounds
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,9 @@ T = TypeVar("T")
 STORE_CALL_TIMEOUT_S = 30.0
 TICK_MODES = ("celery", "in-process", "off")
 
-_gateway_loop: asyncio.AbstractEventLoop | None = None
+# Runs `fn(store)` against a gateway state store and returns its result (blocking, from a tick's thread).
+StoreCall = Callable[[Callable[[Any], Coroutine[Any, Any, Any]]], Any]
+
 _control: ControlState | None = None
 _control_guard = threading.Lock()
 
@@ -63,22 +69,6 @@ def ticks_mode() -> str:
         return mode
     broker = getattr(settings, "CELERY_BROKER_URL", "memory://") or "memory://"
     return "in-process" if broker.startswith("memory://") else "celery"
-
-
-def bind_gateway_loop(loop: asyncio.AbstractEventLoop | None = None) -> None:
-    """Remember the server's event loop (call from inside it): the in-process state store is only
-    safe to touch from that loop, so ticks running in threads hand their work to it."""
-    global _gateway_loop
-    if loop is None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-    _gateway_loop = loop
-
-
-def gateway_loop() -> asyncio.AbstractEventLoop | None:
-    return _gateway_loop
 
 
 def control_state() -> ControlState:
@@ -105,12 +95,13 @@ class StoreUnavailable(RuntimeError):
     """No gateway state store is reachable from this process (yet)."""
 
 
-def with_gateway_store(fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
-    """Run `fn(store)` against the gateway's state store and return its result (blocking)."""
+def with_gateway_store(fn: Callable[[Any], Coroutine[Any, Any, T]], local: StoreCall | None = None) -> T:
+    """Run `fn(store)` against the gateway's state store and return its result (blocking).
+
+    Redis: a store of the tick's own, closed after the call. In-process: `local`, the call the gateway holding
+    the store handed to this tick; without one (no gateway in this process) there is nothing to tick."""
     config = GatewayConfig.from_settings()
     if config.state_backend == "redis":
-        from apps.gateway.redis_state import RedisStateStore
-
         if not config.redis_url:
             raise StoreUnavailable("GATEWAY_STATE_BACKEND=redis needs REDIS_URL")
 
@@ -123,15 +114,10 @@ def with_gateway_store(fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
                 await store.close()
 
         return asyncio.run(run())
-    import apps.gateway.asgi as gateway_asgi
-
-    # Only a gateway this process already runs: creating one here would hold a store no one reads.
-    gateway = getattr(gateway_asgi, "_gateway", None)
-    store = getattr(gateway, "store", None)
-    loop = _gateway_loop
-    if store is None or loop is None or not loop.is_running():
-        raise StoreUnavailable("the in-process gateway has not started yet")
-    return asyncio.run_coroutine_threadsafe(fn(store), loop).result(timeout=STORE_CALL_TIMEOUT_S)
+    if local is None:
+        raise StoreUnavailable("the in-process state store lives in the gateway's server process, and no gateway "
+                               "handed this tick its store (Celery or run_ticks need GATEWAY_STATE_BACKEND=redis)")
+    return local(fn)  # type: ignore[no-any-return]
 
 
 def active_pool_limits() -> dict[str, list[EntitlementLimits]]:
@@ -157,13 +143,14 @@ class EwmaResult:
     pool_demand_tps: Mapping[str, float]
 
 
-def tick_ewma() -> EwmaResult | None:
-    """Close every pool's served/demand window: debt and burst of each entitlement (seed 000, (2), (3))."""
+def tick_ewma(store_call: StoreCall | None = None) -> EwmaResult | None:
+    """Close every pool's served/demand window: debt and burst of each entitlement (seed 000, (2), (3)).
+    `store_call`: the in-process store's gateway, when it runs this tick (see `with_gateway_store`)."""
     pools = active_pool_limits()
     if not pools:
         return EwmaResult({}, {})
     try:
-        readings = with_gateway_store(lambda store: store.tick(entitlements=pools))
+        readings = with_gateway_store(lambda store: store.tick(entitlements=pools), store_call)
     except StoreUnavailable as exc:
         logger.debug("ewma tick: %s", exc)
         return None
@@ -212,15 +199,8 @@ def tick_aimd() -> dict[str, AimdRecord]:
     state = control_state()
     try:
         return with_gateway_store(lambda store: aimd_tick_shared(store=store, state=state, pools=pools, params=params))
-    except StoreUnavailable:  # no gateway here (run_ticks without Redis): the record only
+    except StoreUnavailable:  # no store to publish in (run_ticks without Redis): the record only
         return aimd_tick(state=state, pools=pools, params=params)
-
-
-def claim_tick(name: str, period_s: float) -> bool:
-    """True for one caller per `period_s` among every process sharing the control state: several
-    gateway processes each ticking the shared AIMD controller in-process (no Celery) take turns under
-    this short lock, so the pool's budget moves once a period, not once per process."""
-    return control_state().claim(f"tick:{name}", period_s)
 
 
 def desired_replicas_gauge() -> dict[tuple[str, ...], float]:
