@@ -6,6 +6,7 @@ burst update is the policy package's; these classes only translate simulator req
 from __future__ import annotations
 
 import datetime as dt
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -109,7 +110,7 @@ def entitlement_limits(tenant: TenantSpec) -> EntitlementLimits:
     spec.setdefault("tenant_id", tenant.name)
     try:
         return EntitlementLimits(entitlement_id=tenant.name, **spec)
-    except TypeError as error:
+    except (TypeError, PolicyConfigError) as error:
         raise PolicyConfigError(f"tenant {tenant.name!r}: entitlement: {error}") from None
 
 
@@ -145,6 +146,9 @@ class TokenPoolsAdmission:
         self.retry_jitter = retry_jitter
         self.use_saturation = use_saturation
         self.held: dict[str, SimRequest] = {}
+        # Held requests waiting in their entitlement's own queue (their expiry is a queue_timeout).
+        self.own_held: set[str] = set()
+        self._wake_at = math.inf
         self.ready: deque[SimRequest] = deque()
         self.live: dict[str, SimRequest] = {}
         self.retired: set[str] = set()
@@ -240,9 +244,10 @@ class TokenPoolsAdmission:
             return GateDecision("admit", decision.reason, priority=decision.priority)
         if decision.queued:
             self.held[key] = request
+            if decision.own_queue:
+                self.own_held.add(key)
             self._collect(result.started)
-            if key in self.held:
-                self.cluster.loop.after(self.config.wait_timeout_s + 1e-9, self._expire)
+            self._schedule_wake()
             return GateDecision("queue", decision.reason, priority=decision.priority)
         # Non-retryable rejections carry no Retry-After; the client falls back to its own backoff.
         retry = decision.retry_after_s if decision.retryable else None
@@ -260,6 +265,7 @@ class TokenPoolsAdmission:
 
     def _collect(self, started: Any) -> None:
         for key in started:
+            self.own_held.discard(key)
             request = self.held.pop(key, None)
             if request is not None:
                 self.live[key] = request
@@ -267,12 +273,29 @@ class TokenPoolsAdmission:
         if self.ready:
             self.cluster.loop.after(0.0, self.cluster.pump)
 
-    def _expire(self) -> None:
+    def _schedule_wake(self) -> None:
+        """Have `_wake` run when the state machine next needs it (a deadline, a queue's bucket refilled)."""
         now = self.cluster.loop.time
-        for key in self.ledger.expire_waiting(now):
+        at = self.ledger.next_wake(now)
+        if at < self._wake_at:
+            self._wake_at = at
+            # The epsilon keeps `deadline <= now` true despite float rounding.
+            self.cluster.loop.at(max(at, now) + 1e-9, self._wake)
+
+    def _wake(self) -> None:
+        now = self.cluster.loop.time
+        if now + 1e-9 < self._wake_at:
+            return  # an earlier schedule that a later one replaced
+        self._wake_at = math.inf
+        result = self.ledger.wake(now)
+        for key in result.expired:
             request = self.held.pop(key, None)
+            own = key in self.own_held
+            self.own_held.discard(key)
             if request is not None:
-                self.cluster.expire(request)
+                self.cluster.expire(request, "queue_timeout" if own else "expired")
+        self._collect(result.started)
+        self._schedule_wake()
 
     def on_dispatch(self, request: SimRequest) -> None:
         return None
@@ -284,6 +307,8 @@ class TokenPoolsAdmission:
         produced = request.generated if request.outcome.startswith("lost") else request.output_tokens
         result = self.ledger.release(key, self.cluster.loop.time, produced)
         self._collect(result.started)
+        if self.own_held:
+            self._schedule_wake()
 
     def next_dispatch(self) -> SimRequest | None:
         return self.ready.popleft() if self.ready else None

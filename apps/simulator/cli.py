@@ -268,7 +268,8 @@ def format_text(summary: dict[str, Any]) -> str:
         f"shed by tier: {summary['shed_by_tier']}  denials: {summary['denials_by_reason']}",
         f"simulated {summary['simulated_seconds']} s in {summary['wall_seconds']} s wall; "
         f"utilization {summary['utilization']}; Jain (output tokens) {summary['jain_index_output_tokens']}",
-        f"{'tenant':<20} {'done':>7} {'rej':>6} {'ttft p50':>9} {'ttft p99':>9} {'e2e p50':>9} {'e2e p99':>9}",
+        f"{'tenant':<20} {'done':>7} {'rej':>6} {'ttft p50':>9} {'ttft p99':>9} {'e2e p50':>9} {'e2e p99':>9} "
+        f"{'wait p99':>9} {'q-timeout':>9}",
     ]
     for name, tenant in summary["tenants"].items():
 
@@ -277,7 +278,8 @@ def format_text(summary: dict[str, Any]) -> str:
 
         lines.append(
             f"{name:<20} {tenant['completed']:>7} {tenant['rejected']:>6} {show(tenant['ttft_p50_s']):>9} "
-            f"{show(tenant['ttft_p99_s']):>9} {show(tenant['e2e_p50_s']):>9} {show(tenant['e2e_p99_s']):>9}"
+            f"{show(tenant['ttft_p99_s']):>9} {show(tenant['e2e_p50_s']):>9} {show(tenant['e2e_p99_s']):>9} "
+            f"{show(tenant['queue_wait_p99_s']):>9} {tenant.get('queue_timeouts', 0):>9}"
         )
     return "\n".join(lines)
 

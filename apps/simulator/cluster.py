@@ -95,6 +95,8 @@ class TenantStats:
     e2e: list[float] = field(default_factory=list)
     queue_wait: list[float] = field(default_factory=list)
     denials: Counter[str] = field(default_factory=Counter)
+    # Requests lost after admission (queue timeouts, evictions), by reason.
+    lost_by_reason: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -268,6 +270,7 @@ class Cluster:
         stats.lost[reason] += 1
         tenant = stats.tenants[request.tenant]
         tenant.lost += 1
+        tenant.lost_by_reason[reason] += 1
         tenant.in_flight -= 1
         if request.dispatched_at is not None:
             tenant.running -= 1

@@ -252,7 +252,9 @@ def summarize(simulation: Simulation) -> dict[str, Any]:
             "ttft_p99_s": _round(percentile(tenant.ttft, 99)),
             "e2e_p50_s": _round(percentile(tenant.e2e, 50)),
             "e2e_p99_s": _round(percentile(tenant.e2e, 99)),
+            "queue_wait_p50_s": _round(percentile(tenant.queue_wait, 50)),
             "queue_wait_p99_s": _round(percentile(tenant.queue_wait, 99)),
+            "queue_timeouts": tenant.lost_by_reason.get("queue_timeout", 0),
             "denials": dict(sorted(tenant.denials.items())),
         }
     busy = 0.0

@@ -59,7 +59,7 @@ def test_redis_gateway_enforces_concurrency_and_releases(gateway_factory: Any, r
 
     upstream, _ = upstream_factory(first_token_delay_s=0.4)
     h = gateway_factory(upstreams=[upstream], store=RedisStateStore(url=redis_url, prefix=f"t{uuid.uuid4().hex}:"),
-                        entitlement={"concurrency": 2})
+                        entitlement={"concurrency": 2, "queue_max": 0})
 
     async def fire() -> list[int]:
         async with httpx.AsyncClient(timeout=10) as client:

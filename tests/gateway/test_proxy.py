@@ -138,7 +138,7 @@ def test_concurrency_limit_rejects_with_retry_headers(gateway_factory: Any, upst
     import asyncio
 
     upstream, _ = upstream_factory(first_token_delay_s=0.5)
-    h = gateway_factory(upstreams=[upstream], entitlement={"concurrency": 2})
+    h = gateway_factory(upstreams=[upstream], entitlement={"concurrency": 2, "queue_max": 0})
 
     async def fire() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=10) as client:

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.redis
 
 
 def limits(name: str, **overrides: object) -> EntitlementLimits:
+    # No queue unless a test gives one: these tests count the limits' own refusals.
     fields: dict[str, object] = {"service_class": "guaranteed", "concurrency": 3, "tokens_per_second": 1.0,
-                                 "token_bucket_seconds": 100_000.0, "context_window": 4096}
+                                 "token_bucket_seconds": 100_000.0, "context_window": 4096, "queue_max": 0}
     fields.update(overrides)
     return EntitlementLimits(entitlement_id=name, **fields)  # type: ignore[arg-type]
 

@@ -28,8 +28,9 @@ ENTRY = "apps/gateway/app.py"
 STEPS = ["apps/gateway/auth.py", "apps/gateway/parse.py", "apps/gateway/tokens.py", "apps/gateway/admission.py",
          "apps/gateway/upstream.py"]
 # Every project file the request's code runs in before it leaves, as measured when this test was written
-# (2026-11-26: 22). More is a regression to look at; fewer, lower it.
-MOST_FILES_ON_THE_WAY = 22
+# (2026-11-26: 22; 23 once the entitlement's queue joined the state machine, apps/policy/queues.py). More is a
+# regression to look at; fewer, lower it.
+MOST_FILES_ON_THE_WAY = 23
 
 
 def _project_file(frame: FrameType | None) -> str | None:

@@ -121,3 +121,32 @@ def test_bad_entitlement_keys_and_queue_values_are_config_errors():
         TokenPoolsAdmission([TenantSpec("gold", concurrency=1, entitlement={"queue_size": 2}, **SHORT)])
     with pytest.raises(PolicyConfigError, match="queue_max_wait_ms must be a number from 0 to 600000"):
         TokenPoolsAdmission([TenantSpec("gold", concurrency=1, entitlement={"queue_max_wait_ms": 700_000}, **SHORT)])
+
+
+def _gold_at_twice_its_concurrency(**entitlement: object) -> Simulation:
+    # 8 closed-loop clients on an entitlement of concurrency 4 (guidellm's concurrent profile, 8 streams).
+    return simulate([
+        TenantSpec("gold", concurrency=8, entitlement={"service_class": "guaranteed", "concurrency": 4, **entitlement},
+                   **SHORT),
+    ], slots=8)  # fmt: skip
+
+
+def test_over_its_own_concurrency_a_request_waits_in_its_entitlements_queue_instead_of_a_429():
+    # A request takes about 1 s here: a wait of up to 3 s covers a release (the default 1 s would time some out).
+    queued = _gold_at_twice_its_concurrency(queue_max_wait_ms=3000)
+    gold = queued.cluster.stats.tenants["gold"]
+    assert gold.rejected == 0 and gold.lost == 0 and gold.completed > 50
+    assert max(gold.queue_wait) > 0.5  # it waited for a release (a request takes about 1 s)
+    assert max(sum(s.running) for s in queued.samples) <= 4
+    summary = queued.summary()
+    assert summary["conservation"]["holds"] and summary["tenants"]["gold"]["queue_timeouts"] == 0
+    refused = _gold_at_twice_its_concurrency(queue_max=0)
+    assert refused.cluster.stats.tenants["gold"].denials["concurrency_limit_exceeded"] > 0
+
+
+def test_a_queue_wait_shorter_than_a_request_times_out_and_says_so():
+    simulation = _gold_at_twice_its_concurrency(queue_max_wait_ms=200)
+    gold = simulation.summary()["tenants"]["gold"]
+    assert gold["queue_timeouts"] > 0 and gold["queue_timeouts"] == gold["lost"]
+    assert gold["queue_wait_p99_s"] is None or gold["queue_wait_p99_s"] <= 0.2 + 1e-6
+    assert simulation.summary()["conservation"]["holds"]
