@@ -6,7 +6,7 @@ the publication of each sample to the pool's channel group.
 - `HistoryStore` has two implementations behind one interface (convention 5): an in-process ring
   buffer (embedded) and a capped Redis list per pool (`RPUSH` + `LTRIM`), chosen by `REDIS_URL`.
 - `collect_pool_sample` is the only code that reads the gateway's internals (its state store,
-  scheduler, metrics): when the gateway's API moves, only that function changes.
+  budget, metrics): when the gateway's API moves, only that function changes.
 - `telemetry_sample_pool` builds one sample, stores it and sends it to the group;
   `publish_tick` is the 1 s periodic job (workers/ticks.py registry).
 """
@@ -392,20 +392,22 @@ async def collect_pool_sample(
 
     `entries` are the pool's `KeyEntry`s (one or more per entitlement: limits, tenant); `kv_usage` the
     replicas' last scraped KV usage. Reads: the state store (in-flight, KV bytes, debt, burst: shared
-    across processes with Redis), the pool scheduler (budget, DRR queues), the metrics (admitted and
+    across processes with Redis), the pool's budget controller (AIMD), the admitter's waiters (its queues), the metrics (admitted and
     rejected counters, tokens, TTFT histogram). The only function that knows those internals.
     """
     from apps.policy import priority_weight
 
     name = pool.name
-    scheduler = getattr(gateway, "schedulers", {}).get(name)
+    budget_control = getattr(gateway, "budgets", {}).get(name)
+    admitter = getattr(gateway, "admitter", None)
+    waiting: dict[str, int] = getattr(admitter, "waiting", {})
     metrics = getattr(gateway, "metrics", None)
     store = store if store is not None else getattr(gateway, "store", None)
     first = name not in state.time
     elapsed = 0.0 if first else now - state.time[name]
     state.time[name] = now
 
-    budget = int(scheduler.budget) if scheduler is not None else int(pool.concurrency_capacity)
+    budget = int(budget_control.budget) if budget_control is not None else int(pool.concurrency_capacity)
     before = state.budget.get(name)
     state.budget[name] = budget
     action = 0 if before is None or before == budget else (1 if budget > before else -1)
@@ -447,7 +449,7 @@ async def collect_pool_sample(
             except Exception:  # an unreachable Redis: a sample with zeros beats no sample
                 logger.warning("telemetry: state store unreachable for %s", ent_name, exc_info=True)
         kv_total += kv_bytes
-        queued = scheduler.scheduler.queued_for(ent_name) if scheduler is not None else 0
+        queued = int(waiting.get(ent_name, 0))
         admitted, served = 0.0, 0.0
         denied: dict[str, int] = {}
         if metrics is not None:
@@ -492,8 +494,8 @@ async def collect_pool_sample(
         slots=int(pool.concurrency_capacity),
         budget=budget,
         aimd_action=action,
-        running=int(scheduler.in_flight) if scheduler is not None else sum(p.in_flight for p in points),
-        queued=int(scheduler.queued) if scheduler is not None else 0,
+        running=sum(p.in_flight for p in points),
+        queued=sum(int(waiting.get(p.name, 0)) for p in points),
         p99_ttft_s=pool_p99,
         kv_usage=dict(kv_usage),
         kv_admitted=(kv_total / kv_capacity) if kv_capacity > 0 else None,

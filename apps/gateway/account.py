@@ -48,14 +48,10 @@ class Accountant:
 
     async def finish(self, admission: Admission) -> None:
         """Release everything the request holds and account for it (call once)."""
-        ctx, reservation, scheduler = admission.ctx, admission.reservation, admission.scheduler
+        ctx, reservation = admission.ctx, admission.reservation
         self.in_flight.remove(admission.pool.name, ctx.request_id)
         # The key served (or was offered) a request: its last_used_at, written by the usage flush.
         self.usage.key_used(admission.entry.key_id, time.time())
-        if admission.dispatched:
-            admission.dispatched = False
-            # A reservation in a shared store gives its slot of the pool budget back in its own release.
-            await scheduler.release_request(ctx.request_id, store_releases_slot=reservation.accounted)
         prompt, completion = ctx.served.counts(reservation.input_tokens)
         entitlement = admission.entry.entitlement
         # A store that counts usage does it in the release itself (nothing is lost if this process dies).
@@ -64,9 +60,8 @@ class Accountant:
         if ctx.proxied:
             await self.release(reservation, prompt, completion, usage)
         else:
-            # Nothing reached a backend (expired, cancelled, no dispatch slot): the whole charge comes back.
+            # Nothing reached a backend (expired, cancelled): the whole charge comes back.
             await self.release(reservation, 0, 0, None)
-        scheduler.slot_freed()
         self.metrics.tokens.inc((entitlement, "prompt"), prompt)
         self.metrics.tokens.inc((entitlement, "completion"), completion)
         self.metrics.duration.observe((admission.pool.name,), time.perf_counter() - ctx.started)

@@ -1,8 +1,10 @@
 """The admit-or-wait step: size the request for admission (the entitlement's limits now, the backend's own
-context window, the client's llm-d SLO hints), offer it to its pool's admission state machine, wait if it says
-so, then take a slot of the pool's dispatch budget (the DRR queue with AIMD, seed 002).
+context window, the client's llm-d SLO hints), offer it to its pool's admission state machine and wait if it says
+so: in the entitlement's own queue (over its own limits) or the pool's waiting room (no room in the pool's
+capacity or its dispatch budget, the AIMD of seed 002, which is a check of the same machine).
 
-The state machine decides (`apps.policy`'s ordered checks, priority-ordered waiting room, preemption);
+The state machine decides (`apps.policy`'s ordered checks, the entitlement's queue, the priority-ordered waiting
+room, preemption);
 this step only turns its outcome into the request's fate: a 429/400 for a rejection, a wait that ends
 started or expired, a 503 when the shared store is away (or an unaccounted admission when failing open).
 Evictions the machine decides anywhere reach the victims through `InFlight.evict`.
@@ -19,11 +21,10 @@ from dataclasses import dataclass
 
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import RequestContext
-from apps.gateway.errors import GatewayError, rejected
+from apps.gateway.errors import GatewayError, rejected, unavailable
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.parse import slo_hints
 from apps.gateway.routing import ReplicaSet, admission_saturation
-from apps.gateway.scheduler import PoolScheduler, store_error
 from apps.gateway.snapshot import KeyEntry, PoolInfo
 from apps.gateway.state import (
     REJECTED,
@@ -32,6 +33,7 @@ from apps.gateway.state import (
     Offer,
     RateView,
     Reservation,
+    StateStoreBusy,
     StateStoreUnavailable,
 )
 from apps.gateway.usage import UsageAccumulator
@@ -70,11 +72,8 @@ class Admission:
     entry: KeyEntry
     limits: EntitlementLimits
     pool: PoolInfo
-    scheduler: PoolScheduler
     reservation: Reservation
     decision: AdmissionDecision
-    # It holds a slot of the dispatch budget (to give back at release).
-    dispatched: bool = False
 
 
 class InFlight:
@@ -130,40 +129,31 @@ class Admitter:
                           "Requests of this process waiting in their entitlement's queue or the pool's waiting room.",
                           ("entitlement",), lambda: {(name,): float(count) for name, count in self.waiting.items()})
 
-    async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, pool: PoolInfo, scheduler: PoolScheduler,
-                            replicas: ReplicaSet, *, input_tokens: int, max_tokens: int | None,
-                            max_model_len: int | None = None) -> Admission:
-        """Admitted (started, with its dispatch slot) or a GatewayError. `max_model_len` is the backend's
+    async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, pool: PoolInfo, replicas: ReplicaSet, *,
+                            input_tokens: int, max_tokens: int | None, max_model_len: int | None = None) -> Admission:
+        """Admitted (started: within the pool's capacity and dispatch budget) or a GatewayError. `max_model_len` is the backend's
         own context window when it told (its /tokenize answer), which beats the configured one; the
         replicas' saturation counts when saturation admission is on."""
         limits = self._limits(entry, max_model_len)
         slo_ms, tier = slo_hints(ctx)
         request = AdmissionRequest(ctx.request_id, input_tokens, max_tokens, slo_ms, tier)
         saturation = admission_saturation(replicas, self.config.saturation_admission)
-        offer = await self._offer(limits, pool, request, scheduler, saturation,
+        offer = await self._offer(limits, pool, request, saturation,
                                   quota_claim(entry, limits, request, time.time(), lease_s=self.config.lease_s))
         ctx.view, ctx.quota = offer.view, offer.quota
         if offer.state == REJECTED:
             raise self._rejection(entry, limits, offer.decision)
         assert offer.reservation is not None
-        admission = Admission(ctx, entry, limits, pool, scheduler, offer.reservation, offer.decision)
+        admission = Admission(ctx, entry, limits, pool, offer.reservation, offer.decision)
         self.in_flight.add(pool.name, ctx)
         self.metrics.admitted.inc((limits.entitlement_id, str(limits.service_class)))
         try:
             if offer.state == WAITING and not await self._wait(ctx, limits, offer):
                 raise self._rejection(entry, limits, self._turned_away(offer.decision))
-            try:
-                await scheduler.acquire(flow=limits.entitlement_id, service_class=str(limits.service_class),
-                                        queue_max=entry.queue_max, request_id=ctx.request_id,
-                                        slot_taken=offer.slot_taken)
-            except GatewayError as error:
-                self.count_rejection(entry, limits, error.code)
-                raise
         except BaseException:
-            # Expired, cancelled while waiting (client gone), no dispatch slot: nothing reached a backend.
+            # Expired, or cancelled while waiting (client gone): nothing reached a backend.
             await self.give_back(admission)
             raise
-        admission.dispatched = True
         return admission
 
     def _limits(self, entry: KeyEntry, max_model_len: int | None) -> EntitlementLimits:
@@ -179,10 +169,10 @@ class Admitter:
         return adjusted
 
     async def _offer(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
-                     scheduler: PoolScheduler, saturation: float, quota: QuotaClaim | None) -> Offer:
+                     saturation: float, quota: QuotaClaim | None) -> Offer:
         try:
             return await self.store.offer(limits=limits, pool=pool, request=request, saturation=saturation,
-                                          slot=scheduler.slot_request(), quota=quota)
+                                          quota=quota)
         except BaseException as exc:
             # The offer may have taken effect in the store though its answer never came back here (a reply
             # lost to the socket timeout, a client that left while it was awaited): whatever the store holds
@@ -238,6 +228,14 @@ class Admitter:
         self.metrics.rejected.inc((limits.entitlement_id, str(limits.service_class), reason))
         self.usage.reject(tenant_id=entry.tenant_id, entitlement=entry.entitlement)
         self.usage.key_used(entry.key_id, time.time())
+
+
+def store_error(exc: Exception) -> GatewayError:
+    """503: the store is away (`state_store_unavailable`), or there but too busy to answer in time
+    (`state_store_busy`: no connection of the pool came free; never failed open)."""
+    if isinstance(exc, StateStoreBusy):
+        return unavailable("state_store_busy", f"The gateway state store is busy, try again: {exc}")
+    return unavailable("state_store_unavailable", f"The gateway state store is unreachable: {exc}")
 
 
 def quota_claim(entry: KeyEntry, limits: EntitlementLimits, request: AdmissionRequest,

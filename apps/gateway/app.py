@@ -10,8 +10,8 @@ to follow a request to the backend (tests/gateway/test_request_path.py traces it
     count tokens   tokens.py      the prompt's tokens (the backend's /tokenize, cached; else an estimate)
     admit or wait  admission.py   the request sized (limits now, the backend's context window, SLO hints) and
                                   offered to the pool's admission state machine (state.py: memory_state.py, or
-                                  redis_state.py with lua/), its quotas reserved first (quotas.py), then a
-                                  slot of the dispatch budget (scheduler.py)
+                                  redis_state.py with lua/), its quotas reserved first (quotas.py); it waits
+                                  there when its entitlement's queue or the pool's waiting room holds it
     route          upstream.py    a healthy replica, fewest outstanding requests first (routing.py)
     relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT
     account        account.py     the hold given back (unused tokens and quota refunded), usage and metrics
@@ -38,6 +38,7 @@ from apps.gateway.account import Accountant
 from apps.gateway.admission import Admission, Admitter, InFlight
 from apps.gateway.auth import authenticate, authorize_model
 from apps.gateway.background import BackgroundLoops
+from apps.gateway.budget import PoolBudget
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import JSON_TYPE, ClientGone, RequestContext
 from apps.gateway.errors import GatewayError, unavailable
@@ -55,7 +56,6 @@ from apps.gateway.parse import (
 )
 from apps.gateway.relay import relay, send_preempted
 from apps.gateway.routing import ReplicaSet, admission_saturation
-from apps.gateway.scheduler import PoolScheduler
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
 from apps.gateway.tokens import TokenCounter
@@ -84,7 +84,8 @@ class Gateway:
         self.tokens = TokenCounter(enabled=self.config.tokenize)
         self.usage = UsageAccumulator()
         self.in_flight = InFlight()
-        self.schedulers: dict[str, PoolScheduler] = {}
+        # Each pool's dispatch budget controller (AIMD); the budget itself is a check of the state machine.
+        self.budgets: dict[str, PoolBudget] = {}
         self.replicas: dict[str, ReplicaSet] = {}
         self.client: httpx.AsyncClient | None = None
         self.transport = transport
@@ -161,19 +162,18 @@ class Gateway:
 
     # --- pools --------------------------------------------------------------------------------------
 
-    def scheduler(self, pool: PoolInfo) -> PoolScheduler:
-        scheduler = self.schedulers.get(pool.name)
-        if scheduler is None:
+    def budget(self, pool: PoolInfo) -> PoolBudget:
+        budget = self.budgets.get(pool.name)
+        if budget is None:
             window = max(1, round(self.config.aimd_window_s / self.config.aimd_tick_s))
-            scheduler = self.schedulers[pool.name] = PoolScheduler(
-                pool.name, pool.concurrency_capacity, acquire_timeout_s=self.config.acquire_timeout_s,
-                ttft_target_s=self.config.ttft_target_s, min_budget=self.config.budget_min,
-                min_budget_fraction=self.config.budget_min_fraction, window_ticks=window,
-                store=self.store, fail_open=self.config.fail_open, slot_lease_s=self.config.lease_s,
+            budget = self.budgets[pool.name] = PoolBudget(
+                pool.name, pool.concurrency_capacity, ttft_target_s=self.config.ttft_target_s,
+                min_budget=self.config.budget_min, min_budget_fraction=self.config.budget_min_fraction,
+                window_ticks=window, shared=self.store is not None and self.store.shares_budget,
             )
-        elif scheduler.capacity != max(1, pool.concurrency_capacity):
-            scheduler.resize(pool.concurrency_capacity)
-        return scheduler
+        elif budget.capacity != max(1, pool.concurrency_capacity):
+            budget.resize(pool.concurrency_capacity)
+        return budget
 
     def replica_set(self, pool: PoolInfo) -> ReplicaSet:
         replicas = self.replicas.get(pool.name)
@@ -190,7 +190,7 @@ class Gateway:
         """The pool as this snapshot describes it, in the state machine (capacity, reservations)."""
         assert self.store is not None
         self.replica_set(pool)
-        self.scheduler(pool)
+        self.budget(pool)
         if self._synced.get(pool.name) is not pool:
             # A store that is away is tried again on the next request; the offer itself decides whether
             # that request fails closed (503) or open.
@@ -306,7 +306,7 @@ class Gateway:
         input_tokens = await self.tokens.count(client=self.client, pool=pool.name, model=pool.model_name,
                                                replicas=replicas, kind=parsed.kind, payload=parsed.payload)
         admission = await self.admitter.admit_or_wait(
-            ctx, entry, pool, self.scheduler(pool), replicas, input_tokens=input_tokens,
+            ctx, entry, pool, replicas, input_tokens=input_tokens,
             max_tokens=parsed.max_tokens, max_model_len=self.tokens.max_model_len.get(pool.name),
         )
         ctx.finish = lambda: self._finish(admission)
@@ -332,7 +332,9 @@ class Gateway:
     def _observe_ttft(self, admission: Admission, seconds: float) -> None:
         # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
         self.metrics.ttft.observe((admission.pool.name, admission.entry.entitlement), seconds)
-        admission.scheduler.observe_ttft(seconds)
+        budget = self.budgets.get(admission.pool.name)
+        if budget is not None:
+            budget.observe_ttft(seconds)
 
 
 async def _watch_disconnect(ctx: RequestContext) -> None:

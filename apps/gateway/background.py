@@ -25,9 +25,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from apps.gateway.budget import PoolBudget, aimd_tick_all
 from apps.gateway.control import ControlState, aimd_tick_shared
 from apps.gateway.routing import probe_replicas
-from apps.gateway.scheduler import aimd_tick_all
 from apps.gateway.state import StateStoreUnavailable
 from apps.gateway.ticks import (
     STORE_CALL_TIMEOUT_S,
@@ -174,7 +174,7 @@ class BackgroundLoops:
         if snapshot is not None:
             for pool in snapshot.pools.values():
                 gateway.replica_set(pool)
-                gateway.scheduler(pool)
+                gateway.budget(pool)
         await probe_replicas(gateway.client, list(gateway.replicas.values()))
 
     async def leases_tick(self) -> int:
@@ -184,10 +184,9 @@ class BackgroundLoops:
         reaped = 0
         accountant = getattr(gateway, "accountant", None)  # made at start, with the loops
         try:
-            for name in list(gateway.schedulers):
+            for name in list(gateway.budgets):
                 ids = gateway.in_flight.ids(name) + ([] if accountant is None else accountant.pending_ids(name))
                 await gateway.store.leases_renew(pool=name, request_ids=ids)
-                await gateway.schedulers[name].renew_slots()
                 reaped += await gateway.store.leases_reap(pool=name)
             reaped += await self.quota_leases_tick()
         except StateStoreUnavailable:
@@ -294,16 +293,28 @@ class BackgroundLoops:
         controller, run here by one gateway process per period (a short lock in the control state) when
         no Celery broker runs the ticks; every process then reads the budget it published."""
         gateway = self.gateway
-        budgets = aimd_tick_all(list(gateway.schedulers.values()))  # shared: only the local windows move on
-        if gateway.store is None or not gateway.store.shares_budget:
+        demand = {name: bool(contexts) for name, contexts in gateway.in_flight.by_pool.items()}
+        budgets = aimd_tick_all(list(gateway.budgets.values()), demand)  # shared: only the local windows move on
+        if gateway.store is None:
+            return budgets
+        if not gateway.store.shares_budget:
+            # This process's own controllers: their budgets are checks of its state machines.
+            with contextlib.suppress(StateStoreUnavailable):
+                await gateway.store.pool_budgets_set(budgets=budgets)
             return budgets
         control = self.control_state()
         if ticks_mode() == "in-process" and await asyncio.to_thread(
                 control.claim, "tick:aimd", 0.9 * gateway.config.aimd_tick_s):
             return await self.shared_aimd_tick()
-        for scheduler in list(gateway.schedulers.values()):
-            budgets[scheduler.name] = await scheduler.refresh_budget()
+        for budget in list(gateway.budgets.values()):
+            budgets[budget.name] = await self._read_budget(budget)
         return budgets
+
+    async def _read_budget(self, budget: PoolBudget) -> int:
+        """The pool's budget as the store holds it (the shared controller's), for gauges and the dashboard."""
+        assert self.gateway.store is not None
+        budget.published(await self.gateway.store.pool_budget(pool=budget.name))
+        return budget.budget
 
     async def shared_aimd_tick(self) -> dict[str, int]:
         """One step of every pool's shared AIMD controller, the pools' capacities from the snapshot (no ORM
@@ -314,8 +325,8 @@ class BackgroundLoops:
         pools = {pool.name: max(1, pool.concurrency_capacity) for pool in snapshot.pools.values()}
         records = await aimd_tick_shared(store=gateway.store, state=self.control_state(), pools=pools,
                                          params=aimd_params(gateway.config, gateway.config.aimd_tick_s))
-        for scheduler in list(gateway.schedulers.values()):
-            await scheduler.refresh_budget()
+        for budget in list(gateway.budgets.values()):
+            await self._read_budget(budget)
         return {pool: record.cap for pool, record in records.items()}
 
     async def ttft_flush(self) -> int:
@@ -323,13 +334,13 @@ class BackgroundLoops:
         (one write per pool, not one per request) and read the published budgets; returns the count."""
         control = self.control_state()
         flushed = 0
-        for scheduler in list(self.gateway.schedulers.values()):
-            counts = scheduler.take_ttft()
+        for budget in list(self.gateway.budgets.values()):
+            counts = budget.take_ttft()
             if counts is not None:
-                await asyncio.to_thread(control.ttft_add, scheduler.name, counts, scheduler.histogram.bounds)
+                await asyncio.to_thread(control.ttft_add, budget.name, counts, budget.histogram.bounds)
                 flushed += sum(counts)
             with contextlib.suppress(StateStoreUnavailable):
-                await scheduler.refresh_budget()
+                await self._read_budget(budget)
         return flushed
 
     # --- gauges -------------------------------------------------------------------------------------------
@@ -337,13 +348,12 @@ class BackgroundLoops:
     def register_gauges(self) -> None:
         gateway = self.gateway
         add = gateway.metrics.add_gauge
-        schedulers, replicas, in_flight = gateway.schedulers, gateway.replicas, gateway.in_flight
-        add("flow_control_queue_size", "Requests waiting for a slot of the pool budget.", ("pool",),
-            lambda: {(name,): float(s.queued) for name, s in schedulers.items()})
-        add("flow_control_pool_budget", "The pool budget (AIMD cap): this process's, or the pool's with Redis.",
-            ("pool",), lambda: {(name,): float(s.budget) for name, s in schedulers.items()})
-        add("flow_control_budget_utilization", "Dispatched requests over the pool budget (this process).",
-            ("pool",), lambda: {(name,): s.in_flight / max(1, s.budget) for name, s in schedulers.items()})
+        budgets, replicas, in_flight = gateway.budgets, gateway.replicas, gateway.in_flight
+        add("flow_control_pool_budget", "The pool's dispatch budget (AIMD cap): this process's, or the pool's with "
+            "Redis.", ("pool",), lambda: {(name,): float(b.budget) for name, b in budgets.items()})
+        add("flow_control_budget_utilization", "This process's requests in flight (waiting included) over the "
+            "pool's dispatch budget.", ("pool",),
+            lambda: {(name,): len(in_flight.by_pool.get(name, ())) / max(1, b.budget) for name, b in budgets.items()})
 
         def saturations() -> dict[tuple[str, ...], float]:
             values = {(name,): r.saturation() for name, r in replicas.items()}

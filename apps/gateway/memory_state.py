@@ -17,7 +17,6 @@ from apps.gateway.state import (
     GatewayStateStore,
     Offer,
     Reservation,
-    SlotRequest,
     UsageKey,
     rate_view,
     reservation_for,
@@ -48,6 +47,8 @@ class MemoryStateStore(GatewayStateStore):
         self.dynamics_config = dynamics_config
         self._ledgers: dict[str, AdmissionLedger] = {}
         self._synced: dict[str, PoolInfo] = {}
+        # The pools' dispatch budgets, also for a pool whose ledger does not exist yet.
+        self._budgets: dict[str, int | None] = {}
         # One book for every pool's ledger: a tenant's quota covers all its entitlements.
         self.quotas = QuotaBook()
 
@@ -64,6 +65,7 @@ class MemoryStateStore(GatewayStateStore):
                 mean_slo_ms=pool.mean_slo_ms, config=self.config, dynamics_config=self.dynamics_config, now=now,
                 quotas=self.quotas,
             )
+            ledger.set_budget(self._budgets.get(pool.name), now)
         if self._synced.get(pool.name) is not pool:
             self._apply(pool, ledger, now)
         return ledger
@@ -92,9 +94,8 @@ class MemoryStateStore(GatewayStateStore):
 
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
-        slot: SlotRequest | None = None, quota: QuotaClaim | None = None,
+        quota: QuotaClaim | None = None,
     ) -> Offer:
-        # One process: no shared budget, so `slot` is never taken here.
         now = self.clock.now()
         ledger = self._ledger(pool, now)
         if saturation != ledger.saturation:
@@ -144,6 +145,20 @@ class MemoryStateStore(GatewayStateStore):
         for ledger in self._ledgers.values():
             readings.update(ledger.tick_readings(now) or {})
         return readings
+
+    async def pool_budgets_set(self, *, budgets: Mapping[str, int | None]) -> list[str]:
+        now = self.clock.now()
+        started: list[str] = []
+        for pool, budget in budgets.items():
+            self._budgets[pool] = budget
+            ledger = self._ledgers.get(pool)
+            if ledger is not None:
+                started += ledger.set_budget(budget, now)
+        self._notify(started=started)
+        return started
+
+    async def pool_budget(self, *, pool: str) -> int | None:
+        return self._budgets.get(pool)
 
     # --- reads ------------------------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ waiters and victims (and a waiter also polls its request's state, in case a noti
 
 Time is Redis' own clock (one for every process) unless a clock is injected (the conformance suite runs
 the scripts on a fake one). A pool's keys share one hash tag, so the scripts stay within one cluster slot.
-The pool's shared dispatch budget (seed 002) lives beside it: `COMMIT` takes the request's slot when the
-process would dispatch at once, `RELEASE` gives it back, `SLOT` takes one for a request that waited.
+The pool's dispatch budget (seed 002's AIMD, set by `BUDGET`) is one more limit the scripts check with the
+pool's capacity: a request starts only while fewer than the budget run.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ from apps.gateway.state import (
     Offer,
     RateView,
     Reservation,
-    SlotGrant,
-    SlotRequest,
     StateStoreBusy,
     StateStoreUnavailable,
     UsageKey,
@@ -94,7 +92,7 @@ CAS_BACKOFF_S = 0.0005
 CAS_BACKOFF_CAP_S = 0.05
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
-           "slot_acquire", "slots_renew", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read",
+           "budget", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read",
            "quota_leases", "fields")
 
 
@@ -126,11 +124,11 @@ def _store_failure(exc: BaseException) -> StateStoreUnavailable | None:
 
 @cache
 def function_library() -> tuple[str, str]:
-    """The Lua library as one Redis function library, and its version: the transitions (machine.lua), the
-    slot function (slots.lua), then every entry as a function (`tp_<version>_<entry>`). Loaded once per Redis
+    """The Lua library as one Redis function library, and its version: the transitions (machine.lua), then
+    every entry as a function (`tp_<version>_<entry>`). Loaded once per Redis
     (FUNCTION LOAD), not sent with every call; the version, a hash of the source, keeps processes of
     different releases on their own functions during a rolling deploy."""
-    body = [(LUA / "machine.lua").read_text(), (LUA / "slots.lua").read_text()]
+    body = [(LUA / "machine.lua").read_text()]
     for name in SCRIPTS:
         body.append(f"local function entry_{name}()\n{(LUA / f'{name}.lua').read_text()}\nend")
     source = "\n".join(body)
@@ -221,9 +219,8 @@ class RedisStateStore(GatewayStateStore):
     def _base(self, pool: str) -> str:
         return f"{self.prefix}{{{pool}}}:"
 
-    def _slot_keys(self, pool: str) -> list[str]:
-        base = self._base(pool)
-        return [base + "slots", base + "budget"]
+    def _budget_key(self, pool: str) -> str:
+        return self._base(pool) + "budget"
 
     def _now(self) -> str:
         return "" if self.clock is None else repr(float(self.clock.now()))
@@ -276,10 +273,13 @@ class RedisStateStore(GatewayStateStore):
             kv_bytes_running=_float(raw[3]), tokens_available=math.inf if limits.bucket_capacity is None else level,
             debt=_float(raw[5]), burst=_float(raw[6]),
         )
+        budget = int(raw[18]) if raw[18] != "" else None
+        running = int(_float(raw[7]))
+        capacity = max(0, pool.concurrency_capacity)
         pool_usage = PoolUsage(
-            concurrency_capacity=max(0, pool.concurrency_capacity),
+            concurrency_capacity=capacity if budget is None else min(budget, capacity),
             kv_capacity=pool.kv_capacity,
-            running=int(_float(raw[7])),
+            running=running,
             kv_bytes_running=_float(raw[8]),
             reserved_idle_concurrency=int(_float(raw[9])),
             reserved_idle_kv=_float(raw[10]),
@@ -289,12 +289,13 @@ class RedisStateStore(GatewayStateStore):
             lowest_evictable_priority=float(raw[12]) if raw[12] != "" else None,
             evictable_running=int(_float(raw[13])),
             evictable_kv_bytes=_float(raw[14]),
+            budget_bound=budget is not None and budget <= running < capacity,
         )
         return usage, pool_usage, raw[15], int(_float(raw[16])), float(raw[17]) if raw[17] != "" else None
 
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
-        slot: SlotRequest | None = None, quota: QuotaClaim | None = None,
+        quota: QuotaClaim | None = None,
     ) -> Offer:
         verdict = None if quota is None else await self._quota_reserve(quota)
         if verdict is not None and quota is not None and not verdict.admitted:
@@ -307,7 +308,7 @@ class RedisStateStore(GatewayStateStore):
             lock = self._pool_locks[pool.name] = asyncio.Lock()
         try:
             async with lock:
-                offer = await self._offer(limits, pool, request, saturation, slot)
+                offer = await self._offer(limits, pool, request, saturation)
         except BaseException:
             if quota is not None:  # nothing was admitted: the reservation comes back (if Redis answers)
                 with contextlib.suppress(StateStoreUnavailable):
@@ -369,13 +370,9 @@ class RedisStateStore(GatewayStateStore):
 
     async def _offer(
         self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float,
-        slot: SlotRequest | None,
     ) -> Offer:
         signature, pairs = _reserved_args(pool)
         capacity, rate = _bucket_args(limits)
-        # The slot of the pool budget is taken in the same script when the caller asks (its own queue is
-        # empty and the request starts at once): the common path then costs no round trip of its own.
-        slot_args = ["", "0"] if slot is None else [str(max(0, slot.capacity)), repr(float(slot.lease_s))]
         for attempt in range(MAX_ATTEMPTS):
             usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(limits, pool, saturation)
             decision = admit(limits, usage, pool_usage, request, self.config)
@@ -396,12 +393,12 @@ class RedisStateStore(GatewayStateStore):
                                      [self._now(), limits.entitlement_id, decision.token_cost, repr(decision.kv_bytes)])
                 return Offer(decision, None, rate_view(limits, usage.in_flight, usage.tokens_available), REJECTED)
             raw = await self._call(
-                "commit", [self._base(pool.name), *self._slot_keys(pool.name)],
+                "commit", [self._base(pool.name)],
                 [self._now(), version, request.request_id, limits.entitlement_id,
                  mode, repr(decision.priority), decision.token_cost,
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
-                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), *slot_args, signature,
+                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), "", "", signature,
                  _queue_args(limits), *pairs],
             )
             if int(raw[0]) == 1:
@@ -420,8 +417,7 @@ class RedisStateStore(GatewayStateStore):
         self._notify(started=[s for s in started if s != request.request_id], evicted=evicted)
         tokens = math.inf if limits.bucket_capacity is None else _float(raw[5])
         return Offer(decision, reservation_for(limits, pool.name, request, decision),
-                     rate_view(limits, int(_float(raw[4])), tokens), state, started, evicted,
-                     slot_taken=int(raw[6]) == 1)
+                     rate_view(limits, int(_float(raw[4])), tokens), state, started, evicted)
 
     async def release(
         self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
@@ -429,7 +425,7 @@ class RedisStateStore(GatewayStateStore):
     ) -> ReleaseResult:
         self._forget(reservation.request_id)
         raw = await self._call(
-            "release", [self._base(reservation.pool), self._slot_keys(reservation.pool)[0]],
+            "release", [self._base(reservation.pool)],
             [self._now(), reservation.request_id, "" if completion_tokens is None else int(completion_tokens),
              "" if prompt_tokens is None else int(prompt_tokens),
              "" if usage is None else str(usage.tenant_id), "" if usage is None else str(usage.minute)],
@@ -544,7 +540,7 @@ class RedisStateStore(GatewayStateStore):
     async def leases_reap(self, *, pool: str) -> int:
         """Release reservations whose lease ran out (their process died): waiting ones are cancelled,
         running ones complete with their usage unknown (their charge stays spent)."""
-        reaped = await self._call("leases", [self._base(pool), self._slot_keys(pool)[0]], ["reap", self._now()])
+        reaped = await self._call("leases", [self._base(pool)], ["reap", self._now()])
         return len(reaped)
 
     async def events_listen(self) -> None:
@@ -573,30 +569,16 @@ class RedisStateStore(GatewayStateStore):
 
     # --- the pool budget shared by every gateway process -----------------------------------------------
 
-    async def slot_acquire(self, *, pool: str, request_id: str, capacity: int, lease_s: float) -> SlotGrant:
-        raw = await self._call("slot_acquire", self._slot_keys(pool), [request_id, repr(float(lease_s)), max(0, capacity)])
-        return SlotGrant(int(raw[0]) == 1, int(raw[1]), int(raw[2]))
-
-    async def slot_release(self, *, pool: str, request_id: str) -> None:
-        await self._redis(self.redis.zrem(self._slot_keys(pool)[0], request_id))
-
-    async def slots_renew(self, *, pool: str, request_ids: list[str], lease_s: float) -> None:
-        if request_ids:
-            await self._call("slots_renew", [self._slot_keys(pool)[0]], [repr(float(lease_s)), *request_ids])
-
-    async def pool_budgets_set(self, *, budgets: Mapping[str, int]) -> None:
-        if not budgets:
-            return
-        await self._redis(self._write_budgets(budgets))
-
-    async def _write_budgets(self, budgets: Mapping[str, int]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pool, budget in budgets.items():
-                pipe.set(self._slot_keys(pool)[1], int(budget))
-            await pipe.execute()
+    async def pool_budgets_set(self, *, budgets: Mapping[str, int | None]) -> list[str]:
+        started: list[str] = []
+        for pool, budget in budgets.items():
+            raw = await self._call("budget", [self._base(pool)], [self._now(), "" if budget is None else int(budget)])
+            started += [str(request_id) for request_id in raw]
+        self._notify(started=started, remember=True)
+        return started
 
     async def pool_budget(self, *, pool: str) -> int | None:
-        value = await self._redis(self.redis.get(self._slot_keys(pool)[1]))
+        value = await self._redis(self.redis.get(self._budget_key(pool)))
         return None if value is None else int(value)
 
     async def ping(self, *, timeout_s: float) -> None:

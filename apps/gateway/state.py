@@ -109,29 +109,8 @@ class Offer:
     state: str
     started: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
-    # A shared store took the request's slot of the pool budget along with the reservation (`SlotRequest`).
-    slot_taken: bool = False
     # The binding quota after the offer (the x-tokenpools-quota-* headers); None: no quota applies.
     quota: QuotaStanding | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRequest:
-    """Ask `offer` to take a slot of the pool's shared budget with the reservation (shared stores only)."""
-
-    capacity: int
-    lease_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class SlotGrant:
-    """The answer of a shared store to a request for one slot of a pool's budget."""
-
-    granted: bool
-    # The budget the store enforced (the published AIMD budget, clipped to the pool's capacity).
-    budget: int
-    # Slots held on the pool, every process together, after this call.
-    held: int
 
 
 def rate_view(limits: EntitlementLimits, in_flight: int, tokens_available: float) -> RateView:
@@ -185,7 +164,7 @@ class GatewayStateStore(ABC):
     @abstractmethod
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
-        slot: SlotRequest | None = None, quota: QuotaClaim | None = None,
+        quota: QuotaClaim | None = None,
     ) -> Offer:
         """Reserve the request's quota, run the ordered checks and start, queue or reject the request (with
         its evictions); a rejection refunds the quota."""
@@ -356,25 +335,17 @@ class GatewayStateStore(ABC):
     async def events_listen(self) -> None:  # noqa: B027 - optional hook
         """Deliver other processes' transitions to this process's waiters and victims (runs until cancelled)."""
 
-    # --- one pool budget for every gateway process (seed 002's "one controller per pool") ------------
-    # The in-process store needs none of it: its process's `PoolScheduler` is the only one dispatching.
+    # --- the pools' dispatch budgets (seed 002's AIMD: a check of the state machine) ---------------------
 
+    # Several gateway processes share this store's pools, and so their budgets: one controller steps them
+    # (`apps.gateway.control.aimd_tick_shared`), not each process's own.
     shares_budget: bool = False
 
-    async def slot_acquire(self, *, pool: str, request_id: str, capacity: int, lease_s: float) -> SlotGrant:
-        """Take a slot of the pool's budget for `request_id` if fewer than the budget are held (a slot it
-        already holds is renewed); slots whose lease ran out (their process died) are dropped first."""
-        return SlotGrant(True, capacity, 0)
+    @abstractmethod
+    async def pool_budgets_set(self, *, budgets: Mapping[str, int | None]) -> list[str]:
+        """The pools' dispatch budgets in their state machines (None: the capacity alone); a larger budget
+        starts waiters (returned), a smaller one cancels nothing."""
 
-    async def slot_release(self, *, pool: str, request_id: str) -> None:  # noqa: B027 - optional hook
-        """Give the slot back (idempotent)."""
-
-    async def slots_renew(self, *, pool: str, request_ids: list[str], lease_s: float) -> None:  # noqa: B027
-        """Extend the leases of slots this process holds."""
-
-    async def pool_budgets_set(self, *, budgets: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
-        """Publish the pools' budgets (the shared AIMD tick)."""
-
+    @abstractmethod
     async def pool_budget(self, *, pool: str) -> int | None:
-        """The published budget of the pool; None when none was published."""
-        return None
+        """The pool's dispatch budget; None when none is set."""

@@ -16,7 +16,8 @@
    never turns away a dedicated or guaranteed request within its reserved baseline), a request whose
    priority (1) does not exceed the admission threshold (the minimum priority among admitted requests) is
    rejected (`pool_contended`); one above it is queued for the next free slot ahead of lower priorities
-   and may evict in-flight preemptible work of lower priority.
+   and may evict in-flight preemptible work of lower priority. When the pool's dispatch budget (AIMD) is what
+   is full while its capacity has room, every request waits (`PoolUsage.budget_bound`).
 
 Room in the pool is read two ways. Physical: slots and KV bytes nobody is using. Entitled: what this
 request may claim, where the idle reservations of other dedicated and guaranteed entitlements are
@@ -252,6 +253,9 @@ class PoolUsage(NamedTuple):
     # Running evictable (preemptible) requests and their KV bytes (included in running above).
     evictable_running: int = 0
     evictable_kv_bytes: float = 0.0
+    # The pool's dispatch budget (AIMD) is what is full, not its capacity: every request waits for room then,
+    # highest priority first, as under seed 002's budget (the admission threshold refuses only in a full pool).
+    budget_bound: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -518,7 +522,7 @@ def admit(
             kv_bytes=kv_needed,
             slo_tier=tier,
         )
-    if priority <= pool.admission_threshold:
+    if priority <= pool.admission_threshold and not pool.budget_bound:
         return _reject(
             Reason.POOL_CONTENDED, 5, config.expected_service_s, True, max_tokens, cost, kv_needed, tier, priority
         )

@@ -175,6 +175,10 @@ class AdmissionLedger:
     ) -> None:
         self._check_capacity(concurrency_capacity, kv_capacity)
         self.concurrency_capacity = concurrency_capacity
+        # The pool's dispatch budget (seed 002: the AIMD-tuned number of requests the pool may run; None: its
+        # capacity): one more limit on running requests, checked with the slots (`dispatch_capacity`).
+        self.budget: int | None = None
+        self.dispatch_capacity = concurrency_capacity
         self.kv_capacity = float(kv_capacity)
         self.config = config
         self.dynamics_config = dynamics_config or DynamicsConfig()
@@ -260,7 +264,27 @@ class AdmissionLedger:
         self._check_capacity(concurrency_capacity, kv)
         self.concurrency_capacity = concurrency_capacity
         self.kv_capacity = float(kv)
+        self._refresh_dispatch()
         return self._drain(now)
+
+    def set_budget(self, budget: int | None, now: float) -> tuple[str, ...]:
+        """The pool's dispatch budget (AIMD, seed 002): no more than this many requests run, whatever the
+        capacity (None: the capacity alone). A smaller budget cancels nothing: new starts wait for releases; a
+        larger one starts waiters."""
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise PolicyConfigError(f"budget must be a non-negative integer or None, got {budget!r}")
+        self.budget = budget
+        self._refresh_dispatch()
+        return self._drain(now)
+
+    def _budget_bound(self) -> bool:
+        """The dispatch budget is what is full, not the capacity (`PoolUsage.budget_bound`)."""
+        return self.budget is not None and self.budget <= self.running < self.concurrency_capacity
+
+    def _refresh_dispatch(self) -> None:
+        budget = self.budget
+        self.dispatch_capacity = self.concurrency_capacity if budget is None else min(budget,
+                                                                                      self.concurrency_capacity)
 
     def set_saturation(self, saturation: float, now: float) -> tuple[str, ...]:
         if saturation != saturation or saturation < 0:
@@ -337,7 +361,7 @@ class AdmissionLedger:
     def pool_usage(self) -> PoolUsage:
         lowest = self._lowest_evictable()
         return PoolUsage(
-            concurrency_capacity=self.concurrency_capacity,
+            concurrency_capacity=self.dispatch_capacity,
             kv_capacity=self.kv_capacity,
             running=self.running,
             kv_bytes_running=self.kv_running,
@@ -349,6 +373,7 @@ class AdmissionLedger:
             lowest_evictable_priority=None if lowest is None else lowest[0],
             evictable_running=self.evictable_running,
             evictable_kv_bytes=self.evictable_kv,
+            budget_bound=self._budget_bound(),
         )
 
     @property
@@ -692,7 +717,7 @@ class AdmissionLedger:
         """(slots lacking, KV bytes lacking, entitled): the first two count physical room (<= 0
         when it is there); `entitled` says whether the request may claim room at all once
         evictable work gives way (the same two views as `admit`)."""
-        missing_slots = 1 - (self.concurrency_capacity - self.running)
+        missing_slots = 1 - (self.dispatch_capacity - self.running)
         missing_kv = entry.kv - (self.kv_capacity - self.kv_running)
         if entry.evictable:
             return missing_slots, missing_kv, True
@@ -760,7 +785,7 @@ class AdmissionLedger:
                 fits = self._fits(entry)
                 if not within_own_limits(limits, self.usage(limits.entitlement_id, now), entry.cost, entry.kv, fits):
                     break
-                if not fits and entry.priority <= self.admission_threshold():
+                if not fits and entry.priority <= self.admission_threshold() and not self._budget_bound():
                     break
                 # queued -> charged like an offer (bucket, in flight, KV bytes), then started or waiting
                 record.queue.popleft()

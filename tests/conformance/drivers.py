@@ -26,6 +26,7 @@ from apps.policy.window import WindowReading
 from tests.conformance.scenarios import (
     CONFIG,
     Bind,
+    Budget,
     Cancel,
     Complete,
     Expire,
@@ -156,6 +157,8 @@ class LedgerDriver:
             return {"expired": expired}
         if isinstance(step, State):
             return {"state": ledger.request_state(step.rid) or "gone"}
+        if isinstance(step, Budget):
+            return {"started": ledger.set_budget(step.budget, now)}
         if isinstance(step, Tick):
             return tick_figures(ledger.tick_readings(now) or {})
         if isinstance(step, Usage):
@@ -229,6 +232,8 @@ class StoreDriver:
             return {"expired": expired}
         if isinstance(step, State):
             return {"state": await store.request_state(reservation=self.reservations[step.rid]) or "gone"}
+        if isinstance(step, Budget):
+            return {"started": tuple(await store.pool_budgets_set(budgets={POOL: step.budget}))}
         if isinstance(step, Tick):
             return tick_figures(await store.tick(entitlements={POOL: tuple(self.limits.values())}))
         if isinstance(step, Usage):

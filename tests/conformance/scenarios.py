@@ -94,6 +94,14 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """The pool's dispatch budget (the AIMD controller's cap) set in the state machine; None removes it."""
+
+    budget: int | None
+    started: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class State:
     """Where one request stands in the state machine: running, waiting (the pool's room or its entitlement's
     queue), or gone."""
@@ -167,6 +175,45 @@ def _debt_rises_then_decays(trace: list[dict[str, Any]]) -> None:
 
 
 QUEUE_SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "budget: AIMD shrinks the pool's dispatch budget (nothing cancelled, new work waits, even at the lowest "
+        "priority) and grows it (waiters start, highest priority first)",
+        Pool(slots=4),
+        (ent("chat", "guaranteed", concurrency=1), ent("cheap", "spot", concurrency=4)),
+        (
+            Offer("s1", "cheap", expect="running"),
+            Offer("s2", "cheap", expect="running"),
+            Budget(2, started=()),
+            Offer("s3", "cheap", expect="waiting", reason="queued"),
+            Offer("c", "chat", expect="waiting", reason="queued"),
+            Complete("s1", output=5, started=("c",)),
+            Budget(1, started=()),
+            Usage("cheap", in_flight=2, running=1),
+            Offer("s4", "cheap", expect="waiting", reason="queued"),
+            Complete("s2", output=5, started=()),
+            Budget(4, started=("s3", "s4")),
+            Offer("s5", "cheap", expect="running"),
+            Offer("s6", "cheap", expect="rejected", reason="pool_contended"),  # the capacity is full: refused
+            Budget(None, started=()),
+            Complete("c", output=5),
+            Complete("s3", output=5),
+            Complete("s4", output=5),
+            Complete("s5", output=5),
+        ),
+    ),
+    Scenario(
+        "budget: a waiter whose budget never comes back expires at the acquire timeout",
+        Pool(slots=4),
+        (ent("cheap", "spot", concurrency=4),),
+        (
+            Budget(1, started=()),
+            Offer("s1", "cheap", expect="running"),
+            Offer("s2", "cheap", expect="waiting", reason="queued"),
+            At(1.0),
+            Expire(expect=("s2",)),
+            Complete("s1", output=5),
+        ),
+    ),
     Scenario(
         "queue: a wait on its own concurrency, first come first served, a full queue, started by releases",
         Pool(slots=8),

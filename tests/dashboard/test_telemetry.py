@@ -1,4 +1,4 @@
-"""Telemetry: samples built from a real (in-process) gateway's state store, scheduler and metrics, the
+"""Telemetry: samples built from a real (in-process) gateway's state store, budget and metrics, the
 history stores (ring buffer and a real Redis), and the publication to the pool's channel group."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from apps.dashboard.telemetry import (
     pool_group,
 )
 from apps.gateway.app import Gateway
+from apps.gateway.budget import PoolBudget
 from apps.gateway.config import GatewayConfig
 from apps.gateway.memory_state import MemoryStateStore
-from apps.gateway.scheduler import PoolScheduler
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.policy import AdmissionRequest, Dynamics, EntitlementLimits, priority_weight
 
@@ -49,7 +49,7 @@ def gateway() -> Iterator[Gateway]:
     }
     snapshots = SnapshotCache(config=config, initial=Snapshot(keys=keys, pools={"qwen": pool}, version=1))
     gw = Gateway(config=config, snapshots=snapshots, store=MemoryStateStore())
-    gw.schedulers["qwen"] = PoolScheduler("qwen", 16, acquire_timeout_s=1.0, ttft_target_s=2.0)
+    gw.budgets["qwen"] = PoolBudget("qwen", 16, ttft_target_s=2.0)
     yield gw
     snapshots.close()
 
@@ -79,7 +79,7 @@ async def admit(gw: Gateway, name: str, request_id: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_sample_reads_store_scheduler_and_metrics(gateway: Gateway) -> None:
+async def test_sample_reads_store_budget_and_metrics(gateway: Gateway) -> None:
     layer = InMemoryChannelLayer()
     history = MemoryHistory()
     state = CollectorState()
@@ -102,8 +102,7 @@ async def test_sample_reads_store_scheduler_and_metrics(gateway: Gateway) -> Non
     gateway.metrics.rejected.inc(("globex-batch", "spot", "pool_contended"), 2)
     gateway.metrics.tokens.inc(("acme-chat", "prompt"), 100)
     gateway.metrics.tokens.inc(("acme-chat", "completion"), 300)
-    scheduler = gateway.schedulers["qwen"]
-    scheduler.scheduler.set_budget(8, 0.0)
+    gateway.budgets["qwen"].published(8)  # as if the AIMD controller had halved it
 
     second = await telemetry.telemetry_sample_pool(pool="qwen", now=T0 + 2, gateway=gateway, channel_layer=layer,
                                                    history=history, state=state)

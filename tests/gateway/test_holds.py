@@ -1,7 +1,7 @@
 """Every hold is settled (issue 22): clients that leave at any moment (while their tokens are counted, while
 they are offered, before the upstream answers, mid-answer) and a store that stalls longer than its socket
 timeout leave nothing reserved once a lease has passed: no quota reserved, nothing in flight, no KV bytes,
-no budget slot. A client that leaves before the first byte makes the gateway cancel the upstream request.
+nothing queued. A client that leaves before the first byte makes the gateway cancel the upstream request.
 On the in-process store and on Redis; the lease is kept short (GATEWAY_LEASE_S) so that a test waits one."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ async def _send_and_leave(port: int, payload: bytes, after_s: float, wait: Any =
 
 
 async def _held(gateway: Any) -> dict[str, float]:
-    """What the store holds for the entitlement: quota reserved (and used), in flight, KV, budget slots."""
+    """What the store holds for the entitlement: quota reserved (and used), in flight, KV, queued requests."""
     store = gateway.store
     snapshot = gateway.snapshots.current
     entry = next(iter(snapshot.keys.values()))
@@ -71,7 +71,8 @@ async def _held(gateway: Any) -> dict[str, float]:
             "process_in_flight": sum(1 for _ in gateway.in_flight.contexts()),
             "pending_releases": len(gateway.accountant.pending)}
     if isinstance(store, RedisStateStore):
-        held["slots"] = await store.redis.zcard(store._slot_keys(entry.pool_name)[0])
+        held["queued"] = int(float((await store.record_fields(pool=entry.pool_name, field="queued",
+                                                              records=["pool"]))[0] or 0))
         holds = await store.redis.hkeys(store._quota_key(str(entry.tenant_id)))
         held["quota_holds"] = sum(1 for key in holds if key.startswith("h:"))
     return held

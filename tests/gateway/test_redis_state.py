@@ -1,6 +1,6 @@
 """The Redis store on a real Redis, as several gateway processes share it: exact limits across stores,
 priority-ordered waiting across stores, idempotent release with refunds, leases of dead processes,
-the dispatch budget's slot taken with the reservation, fail-closed errors. (That each transition behaves
+the dispatch budget as a check of the shared machine, fail-closed errors. (That each transition behaves
 as the ledger's is tests/conformance's job.)"""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
-from apps.gateway.state import SlotRequest, StateStoreUnavailable
+from apps.gateway.state import StateStoreUnavailable
 from apps.policy import AdmissionConfig, AdmissionRequest, EntitlementLimits
 from tests.support.services import free_port
 
@@ -250,43 +250,43 @@ def test_reservations_of_a_dead_process_are_reaped_once_their_lease_runs_out(red
     assert asyncio.run(scenario()) == (2, 1, 1, 0)
 
 
-def test_an_offer_takes_the_budget_slot_in_the_same_script_and_release_gives_it_back(redis_url: str) -> None:
-    """`slot=` makes COMMIT also take one of the pool's budget slots; RELEASE (and the reaper) free it."""
+def test_the_budget_is_a_check_of_the_shared_machine_and_a_dead_processs_room_comes_back(redis_url: str) -> None:
+    """Two processes on one pool with a dispatch budget of 1: the second's higher-priority request waits in the
+    machine's room (no queue of its own) and starts when the reaper releases the dead first process's request; a
+    lower priority is refused while the budget binds, and runs once a larger budget makes room."""
     prefix = f"t{uuid.uuid4().hex}:"
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[str, str, str | None, list[str]]:
         store = RedisStateStore(url=redis_url, prefix=prefix)
         dying = RedisStateStore(url=redis_url, prefix=prefix, lease_s=0.0)
-        slots_key = store._slot_keys("p")[0]
         try:
-            ent, p = limits("e", concurrency=10), pool("p")
+            # No reservations (they would hold the budget's room idle): two elastic ones, urgent and relaxed.
+            gold = limits("gold", service_class="elastic", concurrency=10, slo_target_ms=100.0)
+            cheap = limits("cheap", service_class="elastic", concurrency=10, slo_target_ms=5000.0)
+            p = pool("p", 100, gold, cheap)
             await store.pool_budgets_set(budgets={"p": 1})
-            first = await store.offer(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
-            assert first.reservation is not None and first.slot_taken
-            assert await store.redis.zscore(slots_key, first.reservation.request_id) is not None
-            # Budget 1 is held: the next request is admitted (its reservation stands) without a slot.
-            second = await store.offer(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
-            assert second.reservation is not None and not second.slot_taken
-            assert await store.redis.zcard(slots_key) == 1
-            # Without `slot=` no slot is asked for at all.
-            third = await store.offer(limits=ent, pool=p, request=request())
-            assert third.reservation is not None and not third.slot_taken
-
-            await store.release(reservation=first.reservation, prompt_tokens=5, completion_tokens=1)
-            assert await store.redis.zcard(slots_key) == 0
-            await store.pool_budgets_set(budgets={"p": 5})
-            lost = await dying.offer(limits=ent, pool=p, request=request(), slot=SlotRequest(100, 60.0))
-            assert lost.reservation is not None and lost.slot_taken
+            assert await store.pool_budget(pool="p") == 1
+            lost = await dying.offer(limits=cheap, pool=p, request=request())
+            waiter = await store.offer(limits=gold, pool=p, request=request())
+            assert waiter.reservation is not None and lost.reservation is not None
             assert await store.leases_reap(pool="p") == 1
-            assert await store.redis.zscore(slots_key, lost.reservation.request_id) is None
-            for offer in (second, third):
+            state = await store.request_state(reservation=waiter.reservation)
+            refused = await store.offer(limits=cheap, pool=p, request=request())  # below the running one: refused
+            assert refused.decision.reason == "pool_contended"
+            started = await store.pool_budgets_set(budgets={"p": 2})
+            second = await store.offer(limits=cheap, pool=p, request=request())
+            assert second.state == "running"
+            for offer in (waiter, second):
                 assert offer.reservation is not None
                 await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=1)
+            return lost.state, waiter.state, state, started
         finally:
             await store.close()
             await dying.close()
 
-    asyncio.run(scenario())
+    lost_state, waiter_state, after_reap, started = asyncio.run(scenario())
+    assert (lost_state, waiter_state, after_reap) == ("running", "waiting", "running")
+    assert started == []
 
 
 def test_usage_is_counted_by_the_release_once_and_claimed_once(redis_url: str) -> None:

@@ -191,12 +191,8 @@ def test_client_leaving_while_queued_releases_its_reservation(gateway_factory: A
     upstream, _ = upstream_factory(token_delay_s=0.05)
     h = gateway_factory(upstreams=[upstream], config={"tokenize": False, "acquire_timeout_s": 30.0})
     assert httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth()).status_code == 200
-    scheduler = h.gateway.schedulers["tiny"]
-
-    async def shrink() -> None:
-        scheduler.scheduler.set_budget(1, 0.0)  # as if AIMD had cut the pool's budget to one
-
-    h.server.call(shrink())
+    assert h.gateway.store is not None
+    h.server.call(h.gateway.store.pool_budgets_set(budgets={"tiny": 1}))  # as if AIMD had cut it to one
     with httpx.stream("POST", h.url + "/v1/chat/completions", json={**BODY, "max_tokens": 40, "stream": True},
                       headers=h.auth()) as holder:
         lines = holder.iter_lines()  # kept referenced: a collected iterator closes the stream
@@ -207,7 +203,7 @@ def test_client_leaving_while_queued_releases_its_reservation(gateway_factory: A
         assert h.running() == 1
         assert [line for line in lines if line][-1] == "data: [DONE]"
     eventually(lambda: h.usage().in_flight == 0)
-    eventually(lambda: scheduler.in_flight == 0 and scheduler.queued == 0)
+    eventually(lambda: h.running() == 0 and h.gateway.admitter.waiting.get("acme-chat", 0) == 0)
 
 
 def test_a_late_health_answer_counts_but_only_repeated_silence_takes_a_replica_out(upstream_factory: Any) -> None:

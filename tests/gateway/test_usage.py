@@ -69,7 +69,7 @@ def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any, met
     assert (tenant_id, entitlement) == (h.entitlement.tenant_id, "acme-chat")
     assert (counts.requests, counts.completion_tokens) == (1, 4)
     assert counts.prompt_tokens == 5  # the backend's count (3 words + 2)
-    assert h.gateway.schedulers["tiny"].histogram.count == 1  # the TTFT the pool's AIMD reads
+    assert h.gateway.budgets["tiny"].histogram.count == 1  # the TTFT the pool's AIMD reads
     usage_records_upsert_batch(dict(pending))
     assert UsageRecord.objects.get().completion_tokens == 4
 
@@ -82,7 +82,8 @@ def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any, met
             'reason="context_length_exceeded"} 1') in text
     assert 'gateway_ttft_seconds_count{pool="tiny",entitlement="acme-chat"} 1' in text
     assert 'gateway_request_duration_seconds_bucket{pool="tiny",le="+Inf"} 1' in text
-    assert 'flow_control_queue_size{pool="tiny"} 0' in text
+    assert 'tokenpools_queue_depth{entitlement="acme-chat"}' not in text  # nobody ever waited
+    assert 'flow_control_pool_budget{pool="tiny"}' in text
     assert 'flow_control_budget_utilization{pool="tiny"} 0' in text
     assert 'gateway_requests_in_flight{pool="tiny"} 0' in text
 

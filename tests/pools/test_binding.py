@@ -65,16 +65,14 @@ def test_service_class_weights_follow_table_1() -> None:
 
 
 def test_the_models_class_tables_derive_from_the_policy_table() -> None:
-    from apps.gateway.scheduler import CLASS_DRR_WEIGHTS
-    from apps.policy import CLASS_TRAITS
+    from apps.policy import CLASS_TRAITS, ServiceClass
 
     # The choices migration 0001 holds: deriving them from the policy changes no schema.
     assert TokenEntitlement._meta.get_field("service_class").choices == [
         ("dedicated", "Dedicated"), ("guaranteed", "Guaranteed"), ("elastic", "Elastic"), ("spot", "Spot"),
         ("preemptible", "Preemptible")]
     assert set(RESERVING_CLASSES) == set(RESERVING)
-    assert {str(cls): traits.drr_weight for cls, traits in CLASS_TRAITS.items()} == CLASS_DRR_WEIGHTS
-    assert CLASS_DRR_WEIGHTS["guaranteed"] == 8 and CLASS_DRR_WEIGHTS["preemptible"] == 1
+    assert CLASS_TRAITS[ServiceClass.GUARANTEED].queue_max == 8 and CLASS_TRAITS[ServiceClass.SPOT].queue_max == 0
     assert "guaranteed: weight 1000, reserved baseline, no burst, never shrinks" in SERVICE_CLASS_HELP
     assert "preemptible: weight 0.1, no baseline, may burst, evicted first" in SERVICE_CLASS_HELP
 

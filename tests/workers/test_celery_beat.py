@@ -49,7 +49,8 @@ assert ent.state == "Bound", ent.state
 
 # What the ticks build from the database for this entitlement (apps.pools -> EntitlementLimits).
 LIMITS = EntitlementLimits(entitlement_id="elastic-a", service_class="elastic", tokens_per_second=100.0,
-                           kv_bytes=float(1024**3 // 4), concurrency=4, slo_target_ms=1000.0)
+                           kv_bytes=float(1024**3 // 4), concurrency=4, slo_target_ms=1000.0,
+                           queue_max=0)  # over its own concurrency: refused at once (no queue to wait in)
 POOL = PoolInfo("tiny", "tiny", ("http://127.0.0.1:9",), 16, float(1024**3), 16, 4096, entitlements=(LIMITS,))
 # The same pool with every replica gone: requests wait, then expire at the acquire timeout (unmet demand).
 EMPTY = PoolInfo("tiny", "tiny", (), 0, float(1024**3), 16, 4096, entitlements=(LIMITS,))

@@ -2,11 +2,10 @@
 -- one read (else {0}: the caller reads again). The request is charged (bucket, in flight, KV) and either
 -- starts or waits; a waiting one may evict lower-priority preemptible work (AdmissionLedger.request). A queued
 -- one joins its entitlement's queue charged nothing (AdmissionLedger._enqueue).
--- KEYS: pool prefix, budget slots, published budget.
+-- KEYS: pool prefix.
 -- ARGV: now, version, request id, entitlement id, 'running'|'waiting'|'queued', priority, token cost, KV bytes,
 --       input tokens, max tokens, evictable (1/0), evict (1/0), bucket capacity, bucket rate, pool capacity,
---       KV capacity, saturation, wait timeout, max evictions, lease seconds, budget capacity ('' = no slot),
---       slot lease, reservation signature, the entitlement's queue limits ("concurrency burst_concurrency kv_bytes
+--       KV capacity, saturation, wait timeout, max evictions, lease seconds, (two unused), reservation signature, the entitlement's queue limits ("concurrency burst_concurrency kv_bytes
 --       burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), then the reservations as pairs (only read when
 --       the signature changed).
 local now = clock(ARGV[1])
@@ -73,8 +72,4 @@ publish('e', evicted)
 local others = {}
 for _, other in ipairs(started) do if other ~= id then table.insert(others, other) end end
 publish('s', others)
-local slot = 0
-if state == 'running' and ARGV[21] ~= '' then
-  slot = take_slot(KEYS[2], KEYS[3], id, tonumber(ARGV[22]), tonumber(ARGV[21]), now)[1]
-end
-return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), slot}
+return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), 0}

@@ -11,7 +11,6 @@ local pool = load(POOL)
 local reaped = {}
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', fmt(now), 'LIMIT', 0, 100)) do
   redis.call('ZREM', LEASES, id)
-  redis.call('ZREM', KEYS[2], id)
   local r = request(id)
   if r ~= nil then
     if r.own == 1 then

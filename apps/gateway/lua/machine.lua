@@ -1,7 +1,7 @@
 -- The admission state machine of one pool, in Redis: the transitions of apps/policy/ledger.py, step for
 -- step (Lua cannot import Python). `make conformance` runs one table of scenarios against the ledger, the
 -- in-process store and this, expecting the same outcomes. apps/gateway/redis_state.py loads this library,
--- the slot function and every entry (one file each, a function's body) as one Redis function library, so
+-- and every entry (one file each, a function's body) as one Redis function library, so
 -- the library is compiled and set up once, not on every call; `bind` points it at the call's keys.
 --
 -- KEYS[1] is the pool's key prefix, `tp:gw:{<pool>}:` (one hash tag: a pool's keys share a cluster slot).
@@ -24,6 +24,8 @@
 --   q:<ent>   zset  an entitlement's queue (requests over its own limits, holding nothing) by arrival (seq)
 --   qents     zset  entitlements whose queue holds requests, by the arrival of their head
 --   run:<ent> zset  an entitlement's running requests by start time (Retry-After's earliest expected end)
+--   budget    string the pool's dispatch budget (seed 002's AIMD): no more than this many run, whatever the
+--             capacity (absent: the capacity); set by BUDGET (AdmissionLedger.set_budget)
 --   res       hash  Bound dedicated/guaranteed entitlements of the pool: id -> "concurrency kv_bytes"
 --   leases    zset  requests by lease deadline (a process that dies stops renewing them)
 -- MessagePack keeps every double exactly; scores and replies are formatted with 17 significant digits.
@@ -34,6 +36,8 @@ local EVENTS = 'tp:gw:events'
 local PRIVATE = {_key = true, _new = true, _id = true}
 -- Records are read once per call into tables and written back by `save` (the records touched).
 local cache, dirty, order
+-- The pool's dispatch budget as read once per call (false: not read yet; -1: none).
+local budget_read
 
 -- One call's keys and arguments, and a fresh record cache (Redis runs one call at a time).
 local function bind(keys, args)
@@ -42,6 +46,7 @@ local function bind(keys, args)
   POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
   RES, LEASES, QENTS = BASE .. 'res', BASE .. 'leases', BASE .. 'qents'
   cache, dirty, order = {}, {}, {}
+  budget_read = false
 end
 
 local function fmt(x)
@@ -335,9 +340,22 @@ local function request(id)
   return r
 end
 
+-- The slots requests may run in: the capacity, or the dispatch budget when it is lower (AdmissionLedger.dispatch_capacity).
+local function dispatch_cap(pool)
+  if budget_read == false then budget_read = tonumber(redis.call('GET', BASE .. 'budget') or '') or -1 end
+  if budget_read >= 0 and budget_read < pool.cap then return budget_read end
+  return pool.cap
+end
+
+-- The budget is what is full, not the capacity: AdmissionLedger._budget_bound
+local function budget_bound(pool)
+  dispatch_cap(pool)
+  return budget_read >= 0 and budget_read <= pool.running and pool.running < pool.cap
+end
+
 -- (slots lacking, KV bytes lacking, entitled): AdmissionLedger._room_for
 local function room_for(pool, r)
-  local missing_slots = 1 - (pool.cap - pool.running)
+  local missing_slots = 1 - (dispatch_cap(pool) - pool.running)
   local missing_kv = r.kv - (pool.kv_cap - pool.kv)
   if r.ev == 1 then return missing_slots, missing_kv, true end
   local slots, kv, own_slots, own_kv = reserved_idle(r.ent)
@@ -401,7 +419,7 @@ local function drain_queues(pool, now)
         if field(e, 'bound') ~= 1 then break end
         local room = fits(pool, r)
         if not own_fits(e, r, room, now) then break end
-        if not room and r.prio <= threshold() then break end
+        if not room and r.prio <= threshold() and not budget_bound(pool) then break end
         -- queued -> charged like an offer (bucket, in flight, KV bytes), then started or waiting
         redis.call('ZREM', queue_key(ent), r._id)
         pool.queued = pool.queued - 1

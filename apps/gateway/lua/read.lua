@@ -1,7 +1,7 @@
 -- READ (no writes): the snapshot `apps.policy.admit` decides on (in Python): the entitlement's levels, bucket and EWMA
 -- state, the pool's levels, idle reservations, admission threshold and lowest evictable priority, and the
 -- pool's version, which COMMIT compares (compare-and-set), the length of the entitlement's queue and the start
--- of its oldest running request.
+-- of its oldest running request, and the pool's dispatch budget ('' when none).
 -- ARGV: now ('' = Redis time), entitlement id, bucket capacity (-1 = unlimited), bucket rate,
 --       then the pool's reservations as pairs: id, "concurrency kv_bytes".
 local now = clock(ARGV[1])
@@ -23,4 +23,5 @@ return table.concat({fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(
                      fmt(e.debt), fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')),
                      fmt(idle_slots), fmt(idle_kv), low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')),
                      fmt(field(pool, 'ev_kv')), fmt(field(pool, 'ver')),
-                     fmt(redis.call('ZCARD', queue_key(ARGV[2]))), oldest[2] or ''}, ' ')
+                     fmt(redis.call('ZCARD', queue_key(ARGV[2]))), oldest[2] or '',
+                     redis.call('GET', BASE .. 'budget') or ''}, ' ')

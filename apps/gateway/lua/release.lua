@@ -3,11 +3,10 @@
 -- Unknown ids change nothing (a second release of the same request is harmless). With a tenant and a minute,
 -- what the backend served goes to the usage counts in the same step; an evicted request's release records
 -- only that (the eviction already released it).
--- KEYS: pool prefix, budget slots.  ARGV: now, request id, output tokens ('' = unknown), prompt tokens (''),
+-- KEYS: pool prefix.  ARGV: now, request id, output tokens ('' = unknown), prompt tokens (''),
 -- tenant id ('' = record no usage), minute.
 local now = clock(ARGV[1])
 local id = ARGV[2]
-redis.call('ZREM', KEYS[2], id)
 local r = request(id)
 if r == nil then return {'unknown', {}, '0', 0} end
 local served_prompt, served_completion = math.max(0, tonumber(ARGV[4]) or 0), math.max(0, tonumber(ARGV[3]) or 0)
