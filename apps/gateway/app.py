@@ -53,7 +53,7 @@ from apps.gateway.parse import (
     parse_request,
     read_body,
 )
-from apps.gateway.relay import relay, send_preempted
+from apps.gateway.relay import deliver, relay, send_preempted
 from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.scheduler import PoolScheduler
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
@@ -126,8 +126,7 @@ class Gateway:
             self.accountant = Accountant(store=self.store, metrics=self.metrics, usage=self.usage,
                                          in_flight=self.in_flight)
             self.admitter = Admitter(store=self.store, config=self.config, metrics=self.metrics, usage=self.usage,
-                                     in_flight=self.in_flight, give_back=self.accountant.finish,
-                                     forget=self.accountant.forget)
+                                     in_flight=self.in_flight, forget=self.accountant.forget)
             self.loops.start()
             self._started = True
 
@@ -305,29 +304,30 @@ class Gateway:
         replicas = self.replica_set(pool)
         input_tokens = await self.tokens.count(client=self.client, pool=pool.name, model=pool.model_name,
                                                replicas=replicas, kind=parsed.kind, payload=parsed.payload)
-        admission = await self.admitter.admit_or_wait(
+        admission = await self.admitter.admit(
             ctx, entry, pool, self.scheduler(pool), replicas, input_tokens=input_tokens,
             max_tokens=parsed.max_tokens, max_model_len=self.tokens.max_model_len.get(pool.name),
         )
-        ctx.finish = lambda: self._finish(admission)
+        # Held from here: whatever happens next (a wait that runs out, a client gone, a preemption, a backend
+        # failing, the end of the answer), the account step runs once, in the `finally` below, and before the
+        # end of the answer goes out (a client that sees it may send its next request at once).
+        response: httpx.Response | None = None
+        url = ""
         try:
-            assert self.transport is not None
-            response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool.name,
-                                                pool.model_name, parsed, admission.decision.max_tokens)
             try:
-                await relay(ctx, response, parsed, lambda seconds: self._observe_ttft(admission, seconds))
+                await self.admitter.start(admission)
+                assert self.transport is not None
+                response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool.name,
+                                                    pool.model_name, parsed, admission.decision.max_tokens)
+                ending = await relay(ctx, response, parsed, lambda seconds: self._observe_ttft(admission, seconds))
             finally:
+                ctx.finished = True  # a disconnect from here on is the normal end of the exchange
+                await self.accountant.finish(admission)
+            await deliver(ctx, ending)
+        finally:
+            if response is not None:
                 await response.aclose()
                 replicas.release(url)
-        finally:
-            await ctx.run_finish()
-
-    async def _finish(self, admission: Admission) -> None:
-        ctx = admission.ctx
-        if ctx.finished:
-            return
-        ctx.finished = True
-        await self.accountant.finish(admission)
 
     def _observe_ttft(self, admission: Admission, seconds: float) -> None:
         # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
