@@ -1,8 +1,8 @@
 """The gateway's ASGI application for `/v1/*` and `/metrics`: the request path as a pipeline.
 
 A `/v1/chat/completions` (or `/v1/completions`) request, top to bottom in `Gateway._completion` and
-`Gateway._serve`; each step is one call from here into its own module, and these six files are all one reads
-to follow a request to the backend (tests/gateway/test_request_path.py traces it):
+`Gateway._serve`; each step is one call from here into its own module: these six files are all one reads to
+follow a request to the backend, eight to the end of its answer (tests/gateway/test_request_path.py traces it):
 
     authenticate   auth.py        the bearer key to its entitlement (cached snapshot, no database), and the
                                   model asked for to the key's pool
@@ -13,9 +13,10 @@ to follow a request to the backend (tests/gateway/test_request_path.py traces it
                                   redis_state.py with lua/), its quotas reserved first (quotas.py), then a
                                   slot of the dispatch budget (scheduler.py)
     route          upstream.py    a healthy replica, fewest outstanding requests first (routing.py)
-    relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT
+    relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT; its end
+                                  held back until the account step has run, then delivered
     account        account.py     the hold given back (unused tokens and quota refunded), usage and metrics
-                                  recorded
+                                  recorded: once per admitted request, from the `finally` in `_serve`
 
 No Django request objects, middleware or ORM on this path: Django only loads snapshots and flushes usage,
 in threads. What the process runs besides requests (snapshot refresh, health probes, lease renewal, the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -35,7 +37,7 @@ from typing import Any
 import httpx
 
 from apps.gateway.account import Accountant
-from apps.gateway.admission import Admission, Admitter, InFlight
+from apps.gateway.admission import Admitter, InFlight
 from apps.gateway.auth import authenticate, authorize_model
 from apps.gateway.background import BackgroundLoops
 from apps.gateway.config import GatewayConfig
@@ -59,7 +61,7 @@ from apps.gateway.scheduler import PoolScheduler
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
 from apps.gateway.tokens import TokenCounter
-from apps.gateway.upstream import default_transport, send_upstream
+from apps.gateway.upstream import close_upstream, default_transport, send_upstream
 from apps.gateway.usage import UsageAccumulator
 
 logger = logging.getLogger(__name__)
@@ -319,20 +321,14 @@ class Gateway:
                 assert self.transport is not None
                 response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool.name,
                                                     pool.model_name, parsed, admission.decision.max_tokens)
-                ending = await relay(ctx, response, parsed, lambda seconds: self._observe_ttft(admission, seconds))
+                ending = await relay(ctx, response, parsed, functools.partial(self.accountant.first_token, admission))
             finally:
                 ctx.finished = True  # a disconnect from here on is the normal end of the exchange
                 await self.accountant.finish(admission)
             await deliver(ctx, ending)
         finally:
             if response is not None:
-                await response.aclose()
-                replicas.release(url)
-
-    def _observe_ttft(self, admission: Admission, seconds: float) -> None:
-        # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
-        self.metrics.ttft.observe((admission.pool.name, admission.entry.entitlement), seconds)
-        admission.scheduler.observe_ttft(seconds)
+                await close_upstream(response, replicas, url)
 
 
 async def _watch_disconnect(ctx: RequestContext) -> None:
