@@ -200,6 +200,14 @@ def _specs_ttft(names: Sequence[str]) -> list[TraceSpec]:
     return specs
 
 
+def _specs_queue_wait(names: Sequence[str]) -> list[TraceSpec]:
+    return _specs_line_pairs(
+        names,
+        _EntitlementLine("wait", "p99", lambda p: p.queue_wait_p99_s),
+        _EntitlementLine("waitmean", "mean", lambda p: p.queue_wait_mean_s, {"dash": "dot", "width": 1}),
+    )
+
+
 def _specs_debt_priority(names: Sequence[str]) -> list[TraceSpec]:
     return _specs_line_pairs(
         names,
@@ -300,9 +308,17 @@ def figure_inflight_stacked(samples: Sequence[PoolSample], *, visible_entitlemen
 
 
 def figure_queue_depth(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
-    """Seed 000, Figure 2: requests waiting for a slot (per entitlement), with the pool's running and waiting."""
+    """Seed 000, Figure 2: requests waiting now, in their entitlement's queue or the pool's waiting room (per
+    entitlement), with the pool's running and waiting."""
     names = entitlement_names(samples, visible_entitlements)
     return _figure(_specs_queue(names), samples, _layout("Queue depth", "requests"))
+
+
+def figure_queue_wait(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
+    """Issue 23: how long each entitlement's requests waited before they started or were turned away, p99 and
+    mean (dotted) over the last samples (`tokenpools_queue_wait_seconds`)."""
+    names = entitlement_names(samples, visible_entitlements)
+    return _figure(_specs_queue_wait(names), samples, _layout("Queue wait", "seconds"))
 
 
 def figure_ttft_vs_slo(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
@@ -360,6 +376,7 @@ Builder = Callable[..., Figure]
 FIGURES: tuple[tuple[str, Builder], ...] = (
     ("inflight", figure_inflight_stacked),
     ("queue", figure_queue_depth),
+    ("wait", figure_queue_wait),
     ("ttft", figure_ttft_vs_slo),
     ("debt", figure_debt_priority),
     ("admissions", figure_admissions_by_reason),

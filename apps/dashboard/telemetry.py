@@ -51,7 +51,7 @@ class EntitlementPoint:
     tenant: str = ""
     service_class: str = ""
     in_flight: int = 0
-    queued: int = 0
+    queued: int = 0  # waiting now: its queue or the pool's waiting room (this process)
     p99_ttft_s: float | None = None
     slo_ms: float = 0.0
     debt: float = 0.0
@@ -61,6 +61,9 @@ class EntitlementPoint:
     tokens_per_s: float = 0.0
     baseline_tokens_per_s: float = 0.0
     kv_bytes: float = 0.0
+    # The waits that ended over the last samples: p99 and mean, seconds (None: no wait ended in the window).
+    queue_wait_p99_s: float | None = None
+    queue_wait_mean_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +72,8 @@ class EntitlementPoint:
             "service_class": self.service_class,
             "in_flight": self.in_flight,
             "queued": self.queued,
+            "queue_wait_p99_s": self.queue_wait_p99_s,
+            "queue_wait_mean_s": self.queue_wait_mean_s,
             "p99_ttft_s": self.p99_ttft_s,
             "slo_ms": self.slo_ms,
             "debt": self.debt,
@@ -88,6 +93,8 @@ class EntitlementPoint:
             service_class=str(data.get("service_class", "")),
             in_flight=int(data.get("in_flight", 0)),
             queued=int(data.get("queued", 0)),
+            queue_wait_p99_s=_opt_float(data.get("queue_wait_p99_s")),
+            queue_wait_mean_s=_opt_float(data.get("queue_wait_mean_s")),
             p99_ttft_s=_opt_float(data.get("p99_ttft_s")),
             slo_ms=float(data.get("slo_ms", 0.0)),
             debt=float(data.get("debt", 0.0)),
@@ -345,6 +352,7 @@ class CollectorState:
     denied: dict[tuple[str, str], float] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
     ttft: dict[tuple[str, ...], deque[list[float]]] = field(default_factory=dict)
+    waits: dict[str, deque[list[float]]] = field(default_factory=dict)
 
 
 def _delta(previous: dict[Any, float], key: Any, current: float, *, first: bool) -> float:
@@ -378,6 +386,28 @@ def windowed_p99(
     return histogram_quantile(0.99, bounds, recent)
 
 
+def windowed_wait(
+    state: CollectorState, entitlement: str, bounds: Sequence[float], series: Sequence[float] | None,
+    *, window: int = TTFT_WINDOW_SAMPLES,
+) -> tuple[float | None, float | None]:
+    """(p99, mean) over the last `window` samples of one series of the gateway's queue wait histogram
+    (bucket counts, +Inf, sum, count); (None, None) when no wait ended in the window."""
+    from apps.policy.aimd import histogram_quantile
+
+    history = state.waits.get(entitlement)
+    if history is None:
+        history = state.waits[entitlement] = deque(maxlen=window + 1)
+    current = [float(c) for c in series] if series is not None else [0.0] * (len(bounds) + 3)
+    history.append(current)
+    oldest = history[0] if len(history) > 1 else [0.0] * len(current)
+    recent = [a - b for a, b in zip(current, oldest, strict=False)]
+    count = round(recent[-1])
+    if count <= 0:  # no wait ended in the window (or the gateway restarted): no point rather than a zero
+        return None, None
+    buckets = [max(0, round(c)) for c in recent[: len(bounds) + 1]]
+    return histogram_quantile(0.99, bounds, buckets), max(0.0, recent[-2]) / count
+
+
 async def collect_pool_sample(
     *,
     gateway: Any,
@@ -392,16 +422,17 @@ async def collect_pool_sample(
 
     `entries` are the pool's `KeyEntry`s (one or more per entitlement: limits, tenant); `kv_usage` the
     replicas' last scraped KV usage. Reads: the state store (in-flight, KV bytes, debt, burst: shared
-    across processes with Redis), the pool's budget controller (AIMD), the admitter's waiters (its queues), the metrics (admitted and
-    rejected counters, tokens, TTFT histogram). The only function that knows those internals.
+    across processes with Redis), the pool's budget controller (the AIMD budget), the admitter (requests waiting
+    now in their entitlement's queue or the pool's waiting room), the metrics (admitted and rejected counters,
+    tokens, TTFT and queue wait histograms). The only function that knows those internals.
     """
     from apps.policy import priority_weight
 
     name = pool.name
     budget_control = getattr(gateway, "budgets", {}).get(name)
-    admitter = getattr(gateway, "admitter", None)
-    waiting: dict[str, int] = getattr(admitter, "waiting", {})
     metrics = getattr(gateway, "metrics", None)
+    # Made when the gateway starts: a process that serves no requests has no waiters.
+    waiting: Mapping[str, int] = getattr(getattr(gateway, "admitter", None), "waiting", None) or {}
     store = store if store is not None else getattr(gateway, "store", None)
     first = name not in state.time
     elapsed = 0.0 if first else now - state.time[name]
@@ -449,10 +480,14 @@ async def collect_pool_sample(
             except Exception:  # an unreachable Redis: a sample with zeros beats no sample
                 logger.warning("telemetry: state store unreachable for %s", ent_name, exc_info=True)
         kv_total += kv_bytes
-        queued = int(waiting.get(ent_name, 0))
+        # Waiting in the state machine's queues (the admitter's count, by entitlement id).
+        queued = waiting.get(limits.entitlement_id, 0)
+        wait_p99, wait_mean = None, None
         admitted, served = 0.0, 0.0
         denied: dict[str, int] = {}
         if metrics is not None:
+            wait_p99, wait_mean = windowed_wait(state, ent_name, metrics.queue_wait.buckets,
+                                                metrics.queue_wait.series.get((limits.entitlement_id,)))
             admitted = _delta(state.admitted, ent_name, metrics.admitted.get((ent_name, service_class)),
                               first=first)
             for (ent, _cls, reason), value in list(metrics.rejected.values.items()):
@@ -476,6 +511,8 @@ async def collect_pool_sample(
             service_class=service_class,
             in_flight=int(in_flight),
             queued=int(queued),
+            queue_wait_p99_s=wait_p99,
+            queue_wait_mean_s=wait_mean,
             p99_ttft_s=p99,
             slo_ms=float(limits.slo_target_ms),
             debt=float(debt),
@@ -495,7 +532,7 @@ async def collect_pool_sample(
         budget=budget,
         aimd_action=action,
         running=sum(p.in_flight for p in points),
-        queued=sum(int(waiting.get(p.name, 0)) for p in points),
+        queued=sum(p.queued for p in points),
         p99_ttft_s=pool_p99,
         kv_usage=dict(kv_usage),
         kv_admitted=(kv_total / kv_capacity) if kv_capacity > 0 else None,

@@ -20,7 +20,8 @@ The state behind admission, one interface (state.py) and two implementations:
                     the ledger by `make conformance` (tests/conformance)
 
 Around the requests: background.py (the background loops of a running gateway, its gauges, its clean stop),
-scheduler.py (per-pool DRR over the AIMD budget, seed 002), ticks.py (the EWMA and AIMD tick services the
+budget.py (each pool's AIMD controller of its dispatch budget, seed 002; the budget is a check of the
+state machine), ticks.py (the EWMA and AIMD tick services the
 tick runners call, and the process's control state) and control.py (that state, and the shared AIMD tick), snapshot.py (keys, entitlements and pools
 loaded from the database when they change), metrics.py (Prometheus text), usage.py / services.py /
 models.py / api.py (usage records), asgi.py (`gateway_application()` and the path dispatcher the site uses).

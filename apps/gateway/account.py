@@ -1,7 +1,8 @@
-"""The account step: give the request's hold back and record what it used.
+"""The account step: give the request's hold back and record what it used (and its time to first token).
 
-Runs once per admitted request, just before the last byte goes to the client (clients send their next
-request as soon as they see the end) or on the way out after an error, a disconnect or a preemption:
+`finish` runs once per admitted request, from the request path's `finally` (apps/gateway/app.py), just before
+the end of the answer goes to the client (clients send their next request as soon as they see the end) or on
+the way out after a rejection while waiting, an error, a disconnect or a preemption:
 the dispatch slot goes back, the state machine completes the request (refunding what it did not use) or
 cancels it if it was still waiting, and the tokens it used go to the metrics and the usage records.
 
@@ -16,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from apps.gateway.admission import Admission, InFlight
+from apps.gateway.budget import PoolBudget
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.state import GatewayStateStore, Reservation, StateStoreUnavailable, UsageKey
 from apps.gateway.usage import UsageAccumulator, current_minute
@@ -36,8 +39,10 @@ class PendingRelease:
 
 class Accountant:
     def __init__(self, *, store: GatewayStateStore, metrics: GatewayMetrics, usage: UsageAccumulator,
-                 in_flight: InFlight) -> None:
+                 in_flight: InFlight, budgets: Mapping[str, PoolBudget]) -> None:
         self.store = store
+        # Each pool's dispatch budget controller, whose AIMD reads the TTFTs seen here.
+        self.budgets = budgets
         self.metrics = metrics
         self.usage = usage
         self.in_flight = in_flight
@@ -45,6 +50,14 @@ class Accountant:
         self._releasing: set[asyncio.Task[None]] = set()
         # Releases on their way to the store (their leases are renewed until they land or are deferred).
         self.releasing: dict[str, PendingRelease] = {}
+
+    def first_token(self, admission: Admission, seconds: float) -> None:
+        """The relay saw the first token `seconds` after the request came in."""
+        # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
+        self.metrics.ttft.observe((admission.pool.name, admission.entry.entitlement), seconds)
+        budget = self.budgets.get(admission.pool.name)
+        if budget is not None:
+            budget.observe_ttft(seconds)
 
     async def finish(self, admission: Admission) -> None:
         """Release everything the request holds and account for it (call once)."""

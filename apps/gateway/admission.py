@@ -74,6 +74,8 @@ class Admission:
     pool: PoolInfo
     reservation: Reservation
     decision: AdmissionDecision
+    # How the offer ended (running or waiting), for `Admitter.start`.
+    offer: Offer
 
 
 class InFlight:
@@ -110,15 +112,12 @@ class InFlight:
 class Admitter:
     def __init__(self, *, store: GatewayStateStore, config: GatewayConfig, metrics: GatewayMetrics,
                  usage: UsageAccumulator, in_flight: InFlight,
-                 give_back: Callable[[Admission], Awaitable[None]],
                  forget: Callable[[Reservation], Awaitable[None]]) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
         self.usage = usage
         self.in_flight = in_flight
-        # The account step's release, for a request that ends here (expired, cancelled, queue timeout).
-        self.give_back = give_back
         # Release whatever the store holds under a request id whose offer did not come back (idempotent).
         self.forget = forget
         self._limits_cache: dict[tuple[EntitlementLimits, int], EntitlementLimits] = {}
@@ -129,11 +128,12 @@ class Admitter:
                           "Requests of this process waiting in their entitlement's queue or the pool's waiting room.",
                           ("entitlement",), lambda: {(name,): float(count) for name, count in self.waiting.items()})
 
-    async def admit_or_wait(self, ctx: RequestContext, entry: KeyEntry, pool: PoolInfo, replicas: ReplicaSet, *,
-                            input_tokens: int, max_tokens: int | None, max_model_len: int | None = None) -> Admission:
-        """Admitted (started: within the pool's capacity and dispatch budget) or a GatewayError. `max_model_len` is the backend's
-        own context window when it told (its /tokenize answer), which beats the configured one; the
-        replicas' saturation counts when saturation admission is on."""
+    async def admit(self, ctx: RequestContext, entry: KeyEntry, pool: PoolInfo, replicas: ReplicaSet, *,
+                    input_tokens: int, max_tokens: int | None, max_model_len: int | None = None) -> Admission:
+        """Offered: a hold on the pool (running, or waiting until `start`) or a GatewayError. From here the
+        request path releases the hold, once, whatever happens (`apps.gateway.account`). `max_model_len` is
+        the backend's own context window when it told (its /tokenize answer), which beats the configured
+        one; the replicas' saturation counts when saturation admission is on."""
         limits = self._limits(entry, max_model_len)
         slo_ms, tier = slo_hints(ctx)
         request = AdmissionRequest(ctx.request_id, input_tokens, max_tokens, slo_ms, tier)
@@ -144,17 +144,18 @@ class Admitter:
         if offer.state == REJECTED:
             raise self._rejection(entry, limits, offer.decision)
         assert offer.reservation is not None
-        admission = Admission(ctx, entry, limits, pool, offer.reservation, offer.decision)
+        admission = Admission(ctx, entry, limits, pool, offer.reservation, offer.decision, offer)
         self.in_flight.add(pool.name, ctx)
         self.metrics.admitted.inc((limits.entitlement_id, str(limits.service_class)))
-        try:
-            if offer.state == WAITING and not await self._wait(ctx, limits, offer):
-                raise self._rejection(entry, limits, self._turned_away(offer.decision))
-        except BaseException:
-            # Expired, or cancelled while waiting (client gone): nothing reached a backend.
-            await self.give_back(admission)
-            raise
         return admission
+
+    async def start(self, admission: Admission) -> None:
+        """Started (within its limits, the pool's capacity and its dispatch budget), or a GatewayError (its wait
+        ran out); a cancellation (client gone) propagates. Either way nothing reached a backend and the caller's
+        release gives the hold back."""
+        ctx, entry, limits, offer = admission.ctx, admission.entry, admission.limits, admission.offer
+        if offer.state == WAITING and not await self._wait(ctx, limits, offer):
+            raise self._rejection(entry, limits, self._turned_away(offer.decision))
 
     def _limits(self, entry: KeyEntry, max_model_len: int | None) -> EntitlementLimits:
         limits = entry.limits_at(time.time())
@@ -187,7 +188,7 @@ class Admitter:
 
     async def _wait(self, ctx: RequestContext, limits: EntitlementLimits, offer: Offer) -> bool:
         """Wait in the entitlement's queue or the pool's waiting room; True once started. A cancellation (client
-        gone, shutdown) propagates and the caller's release cancels the reservation."""
+        gone, shutdown) propagates and the request path's release cancels the reservation."""
         assert offer.reservation is not None
         own = offer.decision.own_queue
         # The state machine's own deadlines: the entitlement's queue wait, or the pool's acquire timeout.

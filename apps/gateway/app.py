@@ -1,8 +1,8 @@
 """The gateway's ASGI application for `/v1/*` and `/metrics`: the request path as a pipeline.
 
 A `/v1/chat/completions` (or `/v1/completions`) request, top to bottom in `Gateway._completion` and
-`Gateway._serve`; each step is one call from here into its own module, and these six files are all one reads
-to follow a request to the backend (tests/gateway/test_request_path.py traces it):
+`Gateway._serve`; each step is one call from here into its own module: these six files are all one reads to
+follow a request to the backend, eight to the end of its answer (tests/gateway/test_request_path.py traces it):
 
     authenticate   auth.py        the bearer key to its entitlement (cached snapshot, no database), and the
                                   model asked for to the key's pool
@@ -13,9 +13,10 @@ to follow a request to the backend (tests/gateway/test_request_path.py traces it
                                   redis_state.py with lua/), its quotas reserved first (quotas.py); it waits
                                   there when its entitlement's queue or the pool's waiting room holds it
     route          upstream.py    a healthy replica, fewest outstanding requests first (routing.py)
-    relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT
+    relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT; its end
+                                  held back until the account step has run, then delivered
     account        account.py     the hold given back (unused tokens and quota refunded), usage and metrics
-                                  recorded
+                                  recorded: once per admitted request, from the `finally` in `_serve`
 
 No Django request objects, middleware or ORM on this path: Django only loads snapshots and flushes usage,
 in threads. What the process runs besides requests (snapshot refresh, health probes, lease renewal, the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -35,7 +37,7 @@ from typing import Any
 import httpx
 
 from apps.gateway.account import Accountant
-from apps.gateway.admission import Admission, Admitter, InFlight
+from apps.gateway.admission import Admitter, InFlight
 from apps.gateway.auth import authenticate, authorize_model
 from apps.gateway.background import BackgroundLoops
 from apps.gateway.budget import PoolBudget
@@ -54,12 +56,12 @@ from apps.gateway.parse import (
     parse_request,
     read_body,
 )
-from apps.gateway.relay import relay, send_preempted
+from apps.gateway.relay import deliver, relay, send_preempted
 from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
 from apps.gateway.tokens import TokenCounter
-from apps.gateway.upstream import default_transport, send_upstream
+from apps.gateway.upstream import close_upstream, default_transport, send_upstream
 from apps.gateway.usage import UsageAccumulator
 
 logger = logging.getLogger(__name__)
@@ -125,10 +127,9 @@ class Gateway:
             if self.snapshots.current is None:
                 await self.snapshots.refresh(force=True)
             self.accountant = Accountant(store=self.store, metrics=self.metrics, usage=self.usage,
-                                         in_flight=self.in_flight)
+                                         in_flight=self.in_flight, budgets=self.budgets)
             self.admitter = Admitter(store=self.store, config=self.config, metrics=self.metrics, usage=self.usage,
-                                     in_flight=self.in_flight, give_back=self.accountant.finish,
-                                     forget=self.accountant.forget)
+                                     in_flight=self.in_flight, forget=self.accountant.forget)
             self.loops.start()
             self._started = True
 
@@ -305,36 +306,29 @@ class Gateway:
         replicas = self.replica_set(pool)
         input_tokens = await self.tokens.count(client=self.client, pool=pool.name, model=pool.model_name,
                                                replicas=replicas, kind=parsed.kind, payload=parsed.payload)
-        admission = await self.admitter.admit_or_wait(
+        admission = await self.admitter.admit(
             ctx, entry, pool, replicas, input_tokens=input_tokens,
             max_tokens=parsed.max_tokens, max_model_len=self.tokens.max_model_len.get(pool.name),
         )
-        ctx.finish = lambda: self._finish(admission)
+        # Held from here: whatever happens next (a wait that runs out, a client gone, a preemption, a backend
+        # failing, the end of the answer), the account step runs once, in the `finally` below, and before the
+        # end of the answer goes out (a client that sees it may send its next request at once).
+        response: httpx.Response | None = None
+        url = ""
         try:
-            assert self.transport is not None
-            response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool.name,
-                                                pool.model_name, parsed, admission.decision.max_tokens)
             try:
-                await relay(ctx, response, parsed, lambda seconds: self._observe_ttft(admission, seconds))
+                await self.admitter.start(admission)
+                assert self.transport is not None
+                response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool.name,
+                                                    pool.model_name, parsed, admission.decision.max_tokens)
+                ending = await relay(ctx, response, parsed, functools.partial(self.accountant.first_token, admission))
             finally:
-                await response.aclose()
-                replicas.release(url)
+                ctx.finished = True  # a disconnect from here on is the normal end of the exchange
+                await self.accountant.finish(admission)
+            await deliver(ctx, ending)
         finally:
-            await ctx.run_finish()
-
-    async def _finish(self, admission: Admission) -> None:
-        ctx = admission.ctx
-        if ctx.finished:
-            return
-        ctx.finished = True
-        await self.accountant.finish(admission)
-
-    def _observe_ttft(self, admission: Admission, seconds: float) -> None:
-        # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
-        self.metrics.ttft.observe((admission.pool.name, admission.entry.entitlement), seconds)
-        budget = self.budgets.get(admission.pool.name)
-        if budget is not None:
-            budget.observe_ttft(seconds)
+            if response is not None:
+                await close_upstream(response, replicas, url)
 
 
 async def _watch_disconnect(ctx: RequestContext) -> None:

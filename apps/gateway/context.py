@@ -68,11 +68,9 @@ class RequestContext:
     proxied: bool = False
     # The response has begun (a streamed one: its headers went out).
     response_started: bool = False
-    # The whole answer is sent or about to be: a disconnect now is the normal end of the exchange.
+    # The request's hold is given back and the end of the answer about to go: a disconnect now is the normal
+    # end of the exchange.
     finished: bool = False
-    # Runs once before the last byte goes out (the account step: clients send their next request as soon
-    # as they see the end, so the slot must be free by then).
-    finish: Callable[[], Awaitable[None]] | None = None
 
     def header(self, name: bytes) -> str | None:
         for key, value in self.scope.get("headers") or ():
@@ -105,10 +103,6 @@ class RequestContext:
 
     async def respond_error(self, error: GatewayError) -> None:
         await self.respond(error.status, error.body(), [JSON_TYPE, *error.headers()])
-
-    async def run_finish(self) -> None:
-        if self.finish is not None:
-            await self.finish()
 
 
 def _quota_amount(value: float, unit: str) -> bytes:

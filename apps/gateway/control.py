@@ -3,13 +3,13 @@
 AIMD tick (seed 002): every 5 s, the p99 of the gateway's TTFT over the last 30 s moves each
 pool's budget: +1 below target x 0.8 when there is demand, multiplicative decrease above
 target x 1.2 (then a cooldown), hold in between. The step itself is `apps.policy.aimd_step` (the same one the
-gateway's own per-process controller takes, `PoolScheduler.tick`);
+gateway's own per-process controller takes, `PoolBudget.tick`);
 what it needs between ticks (cap, cooldown, the TTFT window) lives in a `ControlState`: in-process
 for the embedded server, Redis when several processes share it. With Redis there is one controller
 per pool (`aimd_tick_shared`): gateway processes add their TTFT counts to the shared window (`ttft_add`,
-batched once a second), the tick publishes each new budget in the gateway's state store, and every
-gateway process's dispatch takes one of that many slots there (`RedisStateStore.slot_acquire`). The
-embedded server without Redis keeps one controller in its own process (`apps.gateway.scheduler`).
+batched once a second), the tick sets each new budget in the pool's state machine in the store, which every
+gateway process's admission checks (`GatewayStateStore.pool_budgets_set`). The
+embedded server without Redis keeps one controller in its own process (`apps.gateway.budget`).
 
 `MemoryControlState` keeps it in one process; `apps.gateway.control_redis.RedisControlState` shares it through
 Redis. The control state also carries what the other ticks publish for readers that must not touch the ORM

@@ -1,8 +1,9 @@
 """The relay step: pass the backend's answer to the client, a whole body or Server-Sent Events chunk by
 chunk, learning on the way what was served (usage, or the chunks counted) and when the first token came.
 
-The account step runs (`ctx.run_finish`) before the last byte goes out: a client that sees `[DONE]` may
-send its next request at once, and its slot must be free by then.
+The end of the answer (the whole body, or the stream's last events up to `[DONE]`) is not sent here: `relay`
+returns it as an `Ending` and the request path runs the account step before it `deliver`s it, since a client
+that sees `[DONE]` may send its next request at once and its slot must be free by then.
 """
 
 from __future__ import annotations
@@ -11,28 +12,57 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import httpx
 
 from apps.gateway.admission import PREEMPTED
-from apps.gateway.context import RequestContext, Served
+from apps.gateway.context import Headers, RequestContext, Served
 from apps.gateway.errors import GatewayError, error_body, rejected
 from apps.gateway.parse import ParsedRequest
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class Ending:
+    """The end of the answer, held back until the request's hold is given back: a whole response (`status`
+    set), or the stream's last body; `rest` is what the backend may still send after `[DONE]` (relayed after
+    the end: a backend may keep a finished stream open a while)."""
+
+    body: bytes
+    status: int | None = None
+    headers: Headers | None = None
+    rest: AsyncIterator[bytes] | None = None
+
+
 async def relay(ctx: RequestContext, response: httpx.Response, parsed: ParsedRequest,
-                observe_ttft: Callable[[float], None]) -> None:
+                observe_ttft: Callable[[float], None]) -> Ending:
+    """Relay all but the end of the answer; the end comes back to the caller, to `deliver` after the account."""
     ctx.proxied = True
     if parsed.stream and response.status_code < 400:
-        await _relay_stream(ctx, response, parsed, observe_ttft)
-    else:
-        await _relay_whole(ctx, response, observe_ttft)
+        return await _relay_stream(ctx, response, parsed, observe_ttft)
+    return await _relay_whole(ctx, response, observe_ttft)
 
 
-async def _relay_whole(ctx: RequestContext, response: httpx.Response, observe_ttft: Callable[[float], None]) -> None:
+async def deliver(ctx: RequestContext, ending: Ending) -> None:
+    """Send the end of the answer, then whatever the backend still sends before it closes its stream."""
+    if ending.status is not None:
+        await ctx.respond(ending.status, ending.body, ending.headers or [])
+        return
+    if ending.rest is None:
+        await ctx.send({"type": "http.response.body", "body": ending.body, "more_body": False})
+        return
+    await ctx.send({"type": "http.response.body", "body": ending.body, "more_body": True})
+    tail = b""
+    with contextlib.suppress(httpx.HTTPError):  # past [DONE] a broken stream loses nothing
+        async for chunk in ending.rest:
+            tail += chunk
+    await ctx.send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _relay_whole(ctx: RequestContext, response: httpx.Response, observe_ttft: Callable[[float], None]) -> Ending:
     try:
         data = await response.aread()
     except httpx.HTTPError as exc:
@@ -48,12 +78,11 @@ async def _relay_whole(ctx: RequestContext, response: httpx.Response, observe_tt
     served.first_chunk_at = time.perf_counter()
     observe_ttft(served.first_chunk_at - ctx.started)
     content_type = response.headers.get("content-type", "application/json").encode("latin-1")
-    await ctx.run_finish()
-    await ctx.respond(response.status_code, data, [(b"content-type", content_type)])
+    return Ending(data, response.status_code, [(b"content-type", content_type)])
 
 
 async def _relay_stream(ctx: RequestContext, response: httpx.Response, parsed: ParsedRequest,
-                        observe_ttft: Callable[[float], None]) -> None:
+                        observe_ttft: Callable[[float], None]) -> Ending:
     ctx.upstream_answered = time.perf_counter()
     ctx.response_started = True
     await ctx.send({"type": "http.response.start", "status": 200, "headers": ctx.headers(
@@ -69,10 +98,8 @@ async def _relay_stream(ctx: RequestContext, response: httpx.Response, parsed: P
         except httpx.HTTPError as exc:
             # The backend broke off mid-stream: end the client's stream with an error event.
             logger.warning("backend stream of %s failed: %s", ctx.request_id, type(exc).__name__)
-            await ctx.run_finish()
             body = b"data: " + error_body("The backend stream failed.", "server_error", "upstream_error")
-            await ctx.send({"type": "http.response.body", "body": body + b"\n\ndata: [DONE]\n\n", "more_body": False})
-            return
+            return Ending(body + b"\n\ndata: [DONE]\n\n")
         pending += chunk
         out: list[bytes] = []
         while True:
@@ -87,10 +114,9 @@ async def _relay_stream(ctx: RequestContext, response: httpx.Response, parsed: P
                 served.first_chunk_at = time.perf_counter()
                 observe_ttft(served.first_chunk_at - ctx.started)
             if out[-1].startswith(b"data: [DONE]"):
-                await ctx.run_finish()
+                return Ending(b"".join(out) + pending, rest=chunks)
             await ctx.send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-    await ctx.run_finish()
-    await ctx.send({"type": "http.response.body", "body": pending, "more_body": False})
+    return Ending(pending)
 
 
 def inspect_event(event: bytes, served: Served, client_wants_usage: bool) -> bool:

@@ -59,7 +59,7 @@ async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport
                         replicas: ReplicaSet, pool_name: str, model: str, parsed: ParsedRequest,
                         max_tokens: int) -> tuple[httpx.Response, str]:
     """Send the request to a replica; returns the response (headers read, body not) and the replica's URL,
-    which the caller gives back to `replicas.release` once the response is closed."""
+    which the caller gives back with `close_upstream` once the answer is relayed."""
     body = upstream_body(parsed, model=model, max_tokens=max_tokens)
     path = "/v1/chat/completions" if parsed.kind == CHAT else "/v1/completions"
     tried: set[str] = set()
@@ -105,3 +105,12 @@ async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport
         except BaseException:
             replicas.release(url)
             raise
+
+
+async def close_upstream(response: httpx.Response, replicas: ReplicaSet, url: str) -> None:
+    """Close the backend's response (a stream cut short is aborted: the backend sees its client go) and give
+    the replica's outstanding count back."""
+    try:
+        await response.aclose()
+    finally:
+        replicas.release(url)

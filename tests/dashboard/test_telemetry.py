@@ -171,6 +171,39 @@ async def test_p99_per_entitlement_from_the_gateway_ttft_labelled_by_entitlement
 
 
 @pytest.mark.asyncio
+async def test_queue_depth_and_wait_per_entitlement_from_the_admitter_and_the_wait_histogram(gateway: Gateway) -> None:
+    """Each entitlement's point has the requests waiting now (the admitter's count, by entitlement) and the
+    p99 and mean of the waits that ended in the window (`tokenpools_queue_wait_seconds`); none: no point."""
+    await gateway.start()
+    try:
+        state = CollectorState()
+        kwargs: dict[str, Any] = {"gateway": gateway, "channel_layer": InMemoryChannelLayer(),
+                                  "history": MemoryHistory(), "state": state}
+        first = await telemetry.telemetry_sample_pool(pool="qwen", now=T0, **kwargs)
+        assert first is not None
+        assert [(e.queued, e.queue_wait_p99_s, e.queue_wait_mean_s) for e in first.entitlements] == [(0, None, None)] * 2
+        # Two acme requests waiting now; four waits ended since: three short, one long.
+        gateway.admitter.waiting["acme-chat"] = 2
+        for seconds in (0.1, 0.1, 0.1, 0.9):
+            gateway.metrics.queue_wait.observe(("acme-chat",), seconds)
+        second = await telemetry.telemetry_sample_pool(pool="qwen", now=T0 + 1, **kwargs)
+        assert second is not None
+        acme, globex = second.entitlements
+        assert acme.queued == 2 and second.queued == 2
+        assert acme.queue_wait_mean_s == pytest.approx(0.3)
+        assert acme.queue_wait_p99_s is not None and 0.5 < acme.queue_wait_p99_s <= 1.0
+        assert (globex.queued, globex.queue_wait_p99_s, globex.queue_wait_mean_s) == (0, None, None)
+        assert EntitlementPoint.from_dict(acme.to_dict()) == acme
+        # The window forgets: TTFT_WINDOW_SAMPLES samples without a wait ending, and no wait figure again.
+        gateway.admitter.waiting["acme-chat"] = 0
+        for i in range(telemetry.TTFT_WINDOW_SAMPLES):
+            last = await telemetry.telemetry_sample_pool(pool="qwen", now=T0 + 2 + i, **kwargs)
+        assert last is not None and last.entitlements[0].queue_wait_p99_s is None and last.queued == 0
+    finally:
+        await gateway.stop()
+
+
+@pytest.mark.asyncio
 async def test_unknown_pool_gives_no_sample(gateway: Gateway) -> None:
     assert await telemetry.telemetry_sample_pool(pool="nope", gateway=gateway, channel_layer=InMemoryChannelLayer(),
                                                  history=MemoryHistory(), state=CollectorState()) is None

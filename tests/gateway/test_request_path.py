@@ -1,10 +1,12 @@
-"""The request path as a newcomer follows it: which project files one `/v1/chat/completions` request runs
-through from the gateway's entry until the request leaves for the backend (traced, not listed by hand).
+"""The request path as a newcomer follows it: which project files one streamed `/v1/chat/completions` request
+runs through from the gateway's entry until the request leaves for the backend, and on to the end of its
+stream, the release of its hold and its accounting included (traced, not listed by hand).
 
-Two figures: the files the pipeline (`apps/gateway/app.py`) calls into directly, the steps one reads in turn
-(issue 12 asks for at most 6, entry included), and every project file whose code runs on the way (the
-helpers those steps use: the request context, the snapshot, the state store, the policy core). The second is
-printed, with its list, and held at its current size so that the path does not grow unnoticed.
+Two figures, to the backend and to the end: the files the pipeline (`apps/gateway/app.py`) calls into
+directly, the steps one reads in turn (issue 12 asks for at most 6 to the backend, entry included; the relay
+and the account step make 8 to the end), and every project file whose code runs on the way (the helpers those
+steps use: the request context, the snapshot, the state store, the policy core, the metrics). Both are
+printed, with their lists, and held at their current size so that the path does not grow unnoticed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -27,10 +30,18 @@ ENTRY = "apps/gateway/app.py"
 # The pipeline's steps before the backend, in the order the entry calls them.
 STEPS = ["apps/gateway/auth.py", "apps/gateway/parse.py", "apps/gateway/tokens.py", "apps/gateway/admission.py",
          "apps/gateway/upstream.py"]
+# And after it: the answer relayed, then the hold given back and the usage recorded, once, by the entry.
+STEPS_AFTER = ["apps/gateway/relay.py", "apps/gateway/account.py"]
 # Every project file the request's code runs in before it leaves, as measured when this test was written
 # (2026-11-26: 22; 23 once the entitlement's queue joined the state machine, apps/policy/queues.py). More is a
 # regression to look at; fewer, lower it.
 MOST_FILES_ON_THE_WAY = 23
+# Every project file it runs in to the end of its stream, measured when the trace was extended to the end
+# (issue 23): the 23 above plus 5, the two steps after the backend (relay.py, account.py) and what only they
+# use: the TTFT feeding the dispatch budget's AIMD window (apps/policy/aimd.py), the key's last use and the
+# usage records (usage.py), the quota settled at release (apps/policy/quota.py). The release itself runs in
+# files the offer already ran in (the state store, the policy ledger). More is a regression; fewer, lower it.
+MOST_FILES_TO_THE_END = MOST_FILES_ON_THE_WAY + 5
 
 
 def _project_file(frame: FrameType | None) -> str | None:
@@ -43,16 +54,19 @@ def _project_file(frame: FrameType | None) -> str | None:
 
 
 class PathTrace:
-    """Project files entered (in first-seen order), and those entered straight from the entry module,
-    until the backend transport is called."""
+    """Project files entered (in first-seen order), and those entered straight from the entry module: until
+    the backend transport is called (`files`, `from_entry`), and until the request's last byte is sent
+    (`all_files`, `all_from_entry`). The backend's own work (the transport and below) is not the gateway's."""
 
     def __init__(self) -> None:
         self.files: list[str] = []
         self.from_entry: list[str] = []
+        self.all_files: list[str] = []
+        self.all_from_entry: list[str] = []
         self.left = False
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or self.left:
+        if event != "call":
             return
         if frame.f_code is upstream.ShardedTransport.handle_async_request.__code__:
             self.left = True
@@ -60,20 +74,38 @@ class PathTrace:
         here = _project_file(frame)
         if here is None:
             return
-        if here not in self.files:
-            self.files.append(here)
         caller = _project_file(frame.f_back)
-        if caller == ENTRY and here != ENTRY and here not in self.from_entry:
-            self.from_entry.append(here)
+        from_entry = caller == ENTRY and here != ENTRY
+        if not self.left:
+            _add(self.files, here)
+            if from_entry:
+                _add(self.from_entry, here)
+        _add(self.all_files, here)
+        if from_entry:
+            _add(self.all_from_entry, here)
 
 
-def _request(harness: Any, trace: PathTrace | None) -> int:
-    """One completion through the gateway's ASGI entry, run on the gateway's own loop (its thread, where the
-    trace is installed)."""
+def _add(seen: list[str], name: str) -> None:
+    if name not in seen:
+        seen.append(name)
+
+
+@dataclass
+class Answer:
+    """What the client got, and the state of its hold and its accounting when the end of the stream went out."""
+
+    status: int = 0
+    body: bytes = b""
+    in_flight_at_done: list[int] = field(default_factory=list)
+
+
+def _request(harness: Any, trace: PathTrace | None) -> Answer:
+    """One streamed completion through the gateway's ASGI entry, run on the gateway's own loop (its thread,
+    where the trace is installed), to the end of its stream."""
     gateway, secret = harness.gateway, harness.secret
     body = json.dumps({"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 4}).encode()
-    sent: list[dict[str, Any]] = []
+                       "max_tokens": 4, "stream": True}).encode()
+    answer = Answer()
 
     async def run() -> None:
         done = asyncio.Event()
@@ -88,8 +120,14 @@ def _request(harness: Any, trace: PathTrace | None) -> int:
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
+            if message["type"] == "http.response.start":
+                answer.status = message["status"]
+                return
+            answer.body += message.get("body", b"")
+            if b"[DONE]" in message.get("body", b""):
+                # The client sees the end: the request must hold nothing by now (its next request may come).
+                answer.in_flight_at_done.append(sum(1 for _ in gateway.in_flight.contexts()))
+            if not message.get("more_body"):
                 done.set()
 
         scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
@@ -104,19 +142,33 @@ def _request(harness: Any, trace: PathTrace | None) -> int:
             sys.setprofile(None)
 
     harness.server.call(run())
-    return int(sent[0]["status"])
+    return answer
 
 
 def test_a_completion_reads_as_the_pipeline_of_steps_and_its_path_does_not_grow(gateway_factory: Any) -> None:
     harness = gateway_factory()
     # The first request of a process starts the gateway and syncs the pool: the steady path is the second's.
-    assert _request(harness, None) == 200
+    assert _request(harness, None).status == 200
+    metrics, entitlement = harness.gateway.metrics, harness.entitlement.name
+    completion_before = metrics.tokens.get((entitlement, "completion"))
     trace = PathTrace()
-    assert _request(harness, trace) == 200
+    answer = _request(harness, trace)
+    assert answer.status == 200 and answer.body.rstrip().endswith(b"data: [DONE]"), answer.body
     assert trace.left, "the request never reached the backend transport"
-    print(f"\nfiles the entry calls into ({len(trace.from_entry) + 1} with it): {[ENTRY, *trace.from_entry]}")
+    print(f"\nfiles the entry calls into to the backend ({len(trace.from_entry) + 1} with it): "
+          f"{[ENTRY, *trace.from_entry]}")
     print(f"project files on the way to the backend ({len(trace.files)}): {trace.files}")
-    # The entry calls into the steps, in order, and into nothing else: six files to read.
+    print(f"files the entry calls into to the end ({len(trace.all_from_entry) + 1} with it): "
+          f"{[ENTRY, *trace.all_from_entry]}")
+    print(f"project files to the end of the stream ({len(trace.all_files)}): {trace.all_files}")
+    # The entry calls into the steps, in order, and into nothing else: six files to read to the backend,
+    # eight to the end of the stream.
     assert trace.from_entry == STEPS, trace.from_entry
     assert len([ENTRY, *trace.from_entry]) <= 6
+    assert trace.all_from_entry == STEPS + STEPS_AFTER, trace.all_from_entry
     assert len(trace.files) <= MOST_FILES_ON_THE_WAY, trace.files
+    assert len(trace.all_files) <= MOST_FILES_TO_THE_END, trace.all_files
+    # Followed to the end: the hold was given back before the client saw [DONE], and the request accounted.
+    assert answer.in_flight_at_done == [0]
+    assert harness.usage().in_flight == 0
+    assert metrics.tokens.get((entitlement, "completion")) - completion_before == 4
