@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from apps.simulator.processes import free_port, running_http_server
 from bench.results import machine_description, write_section
@@ -66,9 +69,16 @@ class Run:
     latency_p50_s: float
     latency_p99_s: float
     errors: Counter
+    # The gateway's own view (/metrics), where one process serves: refusals by reason, queue waits.
+    gateway: dict[str, float] | None = None
 
     def row(self, store: str) -> str:
         errors = ", ".join(f"{n} x {e}" for e, n in self.errors.most_common()) or "-"
+        if self.gateway is not None:
+            refused = {k: int(v) for k, v in self.gateway.items() if k not in ("waited", "wait_s") and v}
+            waited = int(self.gateway.get("waited", 0))
+            mean_wait = self.gateway.get("wait_s", 0.0) / waited if waited else 0.0
+            errors += f"; gateway: refused {refused or 0}, {waited} waited in the queue (mean {mean_wait:.3f} s)"
         return (f"| {store} | {self.label} | {self.streams} | {self.completed} | {self.errored} | {self.incomplete} "
                 f"| {self.duration_s:.1f} | {self.rate:.2f} | {self.latency_mean_s:.3f} | {self.latency_p50_s:.3f} "
                 f"| {self.latency_p99_s:.3f} | {errors} |")
@@ -104,15 +114,33 @@ def _stat(metrics: dict[str, Any], name: str, field: str = "mean") -> float:
 
 
 def _error_reason(request: dict[str, Any]) -> str:
-    """A short reason for an errored request: the HTTP status and the gateway's reject reason if present."""
-    text = json.dumps(request.get("info", request))
-    for reason in ("queue_timeout", "queue_full", "concurrency_limit_exceeded", "rate_limit_exceeded"):
-        if reason in text:
-            return reason
-    for status in ("429", "503", "500", "400"):
-        if f"{status} " in text or f"'{status}'" in text or f'"{status}' in text:
-            return status
-    return "other"
+    """An errored request's HTTP status ("429 Too Many Requests"): guidellm keeps httpx's message, not the body
+    (the gateway's reasons come from its /metrics instead), or the exception's name for a failure without one."""
+    error = str((request.get("info") or {}).get("error") or request.get("error") or "")
+    status = re.search(r"'(\d{3} [A-Za-z -]+)'", error)
+    if status:
+        return status.group(1)
+    return error.split("(", 1)[0] or "unknown"
+
+
+def gateway_counts(url: str, token: str, name: str) -> dict[str, float]:
+    """This serving process's refusals of entitlement `name` by reason, and its queue waits ("waited", and
+    "wait_s" their sum), from /metrics. Per process: with several workers it is one worker's share only."""
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if f'entitlement="{name}"' not in line or line.startswith("#"):
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        if line.startswith("gateway_requests_rejected_total"):
+            reason = re.search(r'reason="([^"]*)"', line)
+            key = reason.group(1) if reason else "?"
+            counts[key] = counts.get(key, 0.0) + value
+        elif line.startswith("tokenpools_queue_wait_seconds_count"):
+            counts["waited"] = counts.get("waited", 0.0) + value
+        elif line.startswith("tokenpools_queue_wait_seconds_sum"):
+            counts["wait_s"] = counts.get("wait_s", 0.0) + value
+    return counts
 
 
 def parse_report(path: Path, label: str, streams: int) -> Run:
@@ -178,8 +206,13 @@ def measure_store(store: str, requests: int, workdir: Path, backend_url: str) ->
                 print(f"[{store} {index}/{len(PLAN)}] guidellm concurrent@{streams}, {requests} requests on "
                       f"{name!r} ...", file=sys.stderr, flush=True)
                 out = workdir / f"guidellm-{store}-{index}.json"
+                token = site.env["METRICS_TOKEN"]
+                before = gateway_counts(url, token, name) if workers == 1 else None
                 guidellm(url, site.keys[name], streams, requests, out)
                 run = parse_report(out, label, streams)
+                if before is not None:
+                    after = gateway_counts(url, token, name)
+                    run.gateway = {k: v - before.get(k, 0.0) for k, v in after.items()}
                 print(f"[{store} {index}/{len(PLAN)}] {run.completed} completed, {run.errored} errored, "
                       f"{run.incomplete} incomplete, {run.rate:.2f} req/s ({time.monotonic() - started:.0f} s)",
                       file=sys.stderr, flush=True)
@@ -220,12 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=80, help="requests per guidellm benchmark")
     parser.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES))
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep guidellm's JSON reports and the site's logs in DIR (default: a removed temp dir)")
     args = parser.parse_args(argv)
     results: dict[str, list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="tokenpools-guidellm-") as tmp, virtual_vllm() as backend_url:
         for store in args.stores:
-            workdir = Path(tmp) / store
-            workdir.mkdir()
+            workdir = (args.keep or Path(tmp)) / store
+            workdir.mkdir(parents=True)
             results[store] = measure_store(store, args.requests, workdir, backend_url)
     body = render(results, args.requests)
     print(body)
