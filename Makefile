@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv bench-gateway bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-guidellm bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,16 @@ $(LITELLM_VENV)/.installed-stamp:
 	touch $@
 
 litellm-venv: $(LITELLM_VENV)/.installed-stamp
+
+# vLLM's load tester, for the benchmark of a real client at twice its entitlement's concurrency. It needs torch:
+# the CPU wheel on this machine's disk (as for vllm-venv), not the CUDA one of several GiB.
+GUIDELLM_VENV := var/guidellm-venv
+$(GUIDELLM_VENV)/.installed-stamp:
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q "guidellm==0.8.1" "torch==2.13.0"
+	touch $@
+
+guidellm-venv: $(GUIDELLM_VENV)/.installed-stamp
 
 system-deps:
 	bash .ci/system-deps.sh
@@ -122,6 +132,11 @@ bench-security: venv system-deps
 
 bench-gateway: venv system-deps litellm-venv
 	$(BIN)/python -m bench.gateway --write-results $(if $(BASELINE),--baseline $(BASELINE))
+
+# guidellm's concurrent profile at 8 streams against a guaranteed entitlement of concurrency 4, with its queue
+# and without (bench/RESULTS.md), on the in-process store and on Redis with `serve --workers 2`.
+bench-guidellm: venv system-deps guidellm-venv
+	$(BIN)/python -m bench.guidellm_queue --write-results
 
 clean:
 	rm -rf $(VENV) db.sqlite3 var .pytest_cache
