@@ -32,7 +32,6 @@ SETTING_NAMES: dict[str, str] = {
     "ttft_target_s": "GATEWAY_TTFT_TARGET_S",
     "budget_min_fraction": "GATEWAY_BUDGET_MIN_FRACTION",
     "acquire_timeout_s": "GATEWAY_ACQUIRE_TIMEOUT_S",
-    "queue_max_default": "GATEWAY_QUEUE_MAX",
     "health_interval_s": "GATEWAY_HEALTH_INTERVAL_S",
     "usage_flush_s": "GATEWAY_USAGE_FLUSH_S",
     "saturation_admission": "GATEWAY_SATURATION_ADMISSION",
@@ -65,7 +64,6 @@ class GatewayConfig:
     # The AIMD floor as a share of the pool's slots (seed 002's cap_per_worker_min=16 of 64).
     budget_min_fraction: float = 0.25
     acquire_timeout_s: float = 1.0
-    queue_max_default: int = 8
     health_interval_s: float = 2.0
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0

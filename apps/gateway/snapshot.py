@@ -49,7 +49,6 @@ class KeyEntry:
     tenant_slug: str
     limits: EntitlementLimits
     pool_name: str
-    queue_max: int
     key_expires_at: float | None = None
     entitlement_expires_at: float | None = None
     expired_limits: EntitlementLimits | None = None
@@ -172,7 +171,6 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
             limits=limits,
             pool_name=pool_info.name,
             # The DRR stage's queue needs room for one (0, the state machine's "refused at once", is not its).
-            queue_max=config.queue_max_default if ent.queue_max is None else max(1, ent.queue_max),
             key_expires_at=_epoch(key.expires_at),
             entitlement_expires_at=_epoch(ent.expires_at),
             expired_limits=replace(limits, state=EntitlementState.EXPIRED) if ent.expires_at else None,

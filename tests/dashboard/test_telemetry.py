@@ -43,9 +43,9 @@ def gateway() -> Iterator[Gateway]:
     pool = PoolInfo(name="qwen", model_name="m", replica_urls=("http://r1",), concurrency_capacity=16,
                     kv_capacity=8.0 * GIB, kv_bytes_per_token=1024, context_window=4096, mean_slo_ms=1000.0)
     keys = {
-        "h1": KeyEntry(1, 1, "acme", limits("acme-chat", "guaranteed", 500.0, "1"), "qwen", 8),
-        "h2": KeyEntry(2, 1, "acme", limits("acme-chat", "guaranteed", 500.0, "1"), "qwen", 8),  # a 2nd key
-        "h3": KeyEntry(3, 2, "globex", limits("globex-batch", "spot", 1500.0, "2"), "qwen", 8),
+        "h1": KeyEntry(1, 1, "acme", limits("acme-chat", "guaranteed", 500.0, "1"), "qwen"),
+        "h2": KeyEntry(2, 1, "acme", limits("acme-chat", "guaranteed", 500.0, "1"), "qwen"),  # a 2nd key
+        "h3": KeyEntry(3, 2, "globex", limits("globex-batch", "spot", 1500.0, "2"), "qwen"),
     }
     snapshots = SnapshotCache(config=config, initial=Snapshot(keys=keys, pools={"qwen": pool}, version=1))
     gw = Gateway(config=config, snapshots=snapshots, store=MemoryStateStore())

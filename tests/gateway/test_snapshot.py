@@ -132,7 +132,7 @@ def test_key_and_entitlement_expiry_are_judged_per_request(admin: Any, acme: Any
 def test_the_entitlements_queue_reaches_the_policy_and_blank_takes_the_class_default(
         bound_key: tuple[Any, str], admin: Any) -> None:
     key, secret = bound_key
-    config = GatewayConfig(queue_max_default=6)
+    config = GatewayConfig()
 
     def entry() -> Any:
         found = snapshot_load(config=config).key_for(secret, time.time())
@@ -142,12 +142,10 @@ def test_the_entitlements_queue_reaches_the_policy_and_blank_takes_the_class_def
     blank = entry()
     assert (blank.limits.queue_max, blank.limits.queue_max_wait_ms) == (None, None)
     assert (blank.limits.own_queue_max, blank.limits.own_queue_wait_s) == (8, 1.0)  # guaranteed's default
-    assert blank.queue_max == 6  # the DRR stage's default, as before
     entitlement_update(actor=admin, entitlement=key.entitlement, queue_max=0, queue_max_wait_ms=250)
     none = entry()
     assert (none.limits.queue_max, none.limits.queue_max_wait_ms) == (0, 250.0)
     assert (none.limits.own_queue_max, none.limits.own_queue_wait_s) == (0, 0.25)
-    assert none.queue_max == 1  # the DRR queue needs room for one: 0 is not its default
     assert snapshot_load(config=config).pools["tiny"].entitlements[0].own_queue_max == 0  # the pool's view too
     entitlement_update(actor=admin, entitlement=key.entitlement, queue_max=3)
-    assert entry().queue_max == 3 and entry().limits.own_queue_max == 3
+    assert entry().limits.own_queue_max == 3

@@ -116,7 +116,7 @@ def test_unknown_deployment_is_a_clear_error() -> None:
         ({"GATEWAY_FAIL_OPEN": "maybe"}, "GATEWAY_FAIL_OPEN must be a boolean (1/0, true/false, yes/no, on/off), got 'maybe'"),
         ({"GATEWAY_TOKENIZE": "ture"}, "GATEWAY_TOKENIZE must be a boolean"),
         ({"GATEWAY_ACQUIRE_TIMEOUT_S": "abc"}, "GATEWAY_ACQUIRE_TIMEOUT_S must be a number, got 'abc'"),
-        ({"GATEWAY_QUEUE_MAX": "2.5"}, "GATEWAY_QUEUE_MAX must be a whole number, got '2.5'"),
+        ({"GATEWAY_MAX_BODY_BYTES": "2.5"}, "GATEWAY_MAX_BODY_BYTES must be a whole number, got '2.5'"),
         ({"GATEWAY_SNAPSHOT_POLL_S": "nan"}, "GATEWAY_SNAPSHOT_POLL_S must be a finite number, got 'nan'"),
         ({"TOKENPOOLS_TICK_EWMA_S": "-1"}, "TOKENPOOLS_TICK_EWMA_S must be above 0, got '-1'"),
         ({"TOKENPOOLS_TICK_EWAM_S": "1"}, "TOKENPOOLS_TICK_EWAM_S: no such tick"),
@@ -138,7 +138,7 @@ def test_good_values_parse_in_any_case_with_blanks() -> None:
     result = _load_settings(
         {
             "GATEWAY_FAIL_OPEN": " YES ", "GATEWAY_TOKENIZE": "off", "GATEWAY_SATURATION_ADMISSION": "0",
-            "GATEWAY_ACQUIRE_TIMEOUT_S": "2.5", "GATEWAY_QUEUE_MAX": "0", "GATEWAY_MAX_BODY_BYTES": "2_000_000",
+            "GATEWAY_ACQUIRE_TIMEOUT_S": "2.5", "GATEWAY_MAX_BODY_BYTES": "2_000_000",
             "GATEWAY_DRAIN_TIMEOUT_S": "5", "GATEWAY_LEASE_S": "20", "GATEWAY_LEASE_RENEW_S": "7.5",
             "GATEWAY_STATE_BACKEND": "Memory", "TOKENPOOLS_TICK_EWMA_S": "0.25", "TOKENPOOLS_TICK_USAGE_ROLLUP_S": "60",
             "TOKENPOOLS_TICKS": "OFF", "ALLOWED_HOSTS": " a.example, ,b.example ", "LOG_LEVEL": "warning",
@@ -152,7 +152,7 @@ def test_good_values_parse_in_any_case_with_blanks() -> None:
     out = json.loads(result.stdout)
     config = out["settings"]
     assert (config["fail_open"], config["tokenize"], config["saturation_admission"]) == (True, False, False)
-    assert (config["acquire_timeout_s"], config["queue_max_default"], config["max_body_bytes"]) == (2.5, 0, 2_000_000)
+    assert (config["acquire_timeout_s"], config["max_body_bytes"]) == (2.5, 2_000_000)
     assert (config["drain_timeout_s"], config["lease_s"], config["lease_renew_s"]) == (5.0, 20.0, 7.5)
     assert (config["state_backend"], config["context_window"]) == ("memory", 4096)
     assert out["ticks"]["ewma"] == 0.25 and out["ticks"]["usage_rollup"] == 60.0 and out["ticks"]["aimd"] == 5.0
@@ -176,11 +176,10 @@ def test_gateway_settings_default_to_the_gateway_config_fields() -> None:
 def test_the_gateway_reads_only_django_settings(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from apps.gateway.config import GatewayConfig
 
-    monkeypatch.setenv("GATEWAY_QUEUE_MAX", "99")  # the environment is read once, by the settings module
-    settings.GATEWAY_QUEUE_MAX = 3
+    monkeypatch.setenv("GATEWAY_ACQUIRE_TIMEOUT_S", "99")  # the environment is read once, by the settings module
     settings.GATEWAY_ACQUIRE_TIMEOUT_S = 4.5
     config = GatewayConfig.from_settings(fail_open=True)
-    assert (config.acquire_timeout_s, config.queue_max_default, config.fail_open) == (4.5, 3, True)
+    assert (config.acquire_timeout_s, config.fail_open) == (4.5, True)
     settings.GATEWAY_LEASE_RENEW_S = settings.GATEWAY_LEASE_S
     with pytest.raises(ImproperlyConfigured, match="GATEWAY_LEASE_RENEW_S"):
         GatewayConfig.from_settings()
