@@ -19,6 +19,7 @@ from apps.policy.admission import (
     EntitlementState,
     resolved_max_tokens,
 )
+from apps.policy.aimd import AimdController, LatencyHistogram
 from apps.policy.blis import AdmissionStage, BlisRequest, ClusterView, TenantBudgets, make_admission_policy
 from apps.policy.errors import PolicyConfigError
 from apps.policy.ledger import AdmissionLedger
@@ -133,8 +134,18 @@ class TokenPoolsAdmission:
         mean_slo_ms: float | None = None,
         retry_jitter: float = 0.0,
         use_saturation: bool = False,
+        aimd: AimdController | None = None,
+        aimd_tick_s: float = 5.0,
+        aimd_window_ticks: int = 6,
+        aimd_bounds_s: list[float] | None = None,
     ) -> None:
         self.tenants = tenants
+        # Seed 002's AIMD on the pool's dispatch budget, a check of the same state machine (`set_budget`).
+        self.aimd = aimd
+        self.aimd_tick_s = aimd_tick_s
+        self.ttft = None if aimd is None else LatencyHistogram(aimd_bounds_s or aimd.histogram_bounds(),
+                                                                window_ticks=aimd_window_ticks)
+        self.budget_samples: list[tuple[float, int, str]] = []
         self.limits = {tenant.name: entitlement_limits(tenant) for tenant in tenants}
         self.quotas = {tenant.name: rules for tenant in tenants if (rules := quota_rules(tenant))}
         self.seed = seed
@@ -172,6 +183,25 @@ class TokenPoolsAdmission:
             if tenant.stop is not None:
                 loop.at(tenant.stop, self._leave, tenant.name)
         loop.at(self.tick_s, self._tick, daemon=True)
+        if self.aimd is not None:
+            cluster.listeners.append(self._observe)
+            self.ledger.set_budget(self.aimd.cap, 0.0)
+            loop.at(self.aimd_tick_s, self._aimd_tick, daemon=True)
+
+    def _observe(self, event: str, request: SimRequest) -> None:
+        if event == "first_token" and request.first_token_at is not None and self.ttft is not None:
+            # The gateway's TTFT: from arrival at the gateway, queue wait included (seed 002, section 1).
+            self.ttft.observe(request.first_token_at - request.arrival)
+
+    def _aimd_tick(self) -> None:
+        assert self.aimd is not None and self.ttft is not None
+        now = self.cluster.loop.time
+        ledger = self.ledger
+        demand = ledger.running > 0 or ledger.waiting > 0 or ledger.queued > 0
+        cap = self.aimd.tick_histogram(self.ttft, demand)
+        self._collect(ledger.set_budget(cap, now))
+        self.budget_samples.append((now, cap, self.aimd.last_action))
+        self.cluster.loop.after(self.aimd_tick_s, self._aimd_tick, daemon=True)
 
     # ---- entitlement lifecycle -------------------------------------------------------------------
     def _join(self, name: str) -> None:

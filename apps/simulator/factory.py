@@ -18,7 +18,7 @@ _BLIS_KEYS = {
 _POOL_CONFIG_KEYS = {"alpha_slo", "alpha_burst", "alpha_debt", "min_debt_factor", "expected_service_s",
                      "not_bound_retry_s", "never_retry_s", "wait_timeout_s"}  # fmt: skip
 _POOL_KEYS = {"policy", "tick_s", "gamma_d", "gamma_b", "mean_slo_ms", "retry_jitter", "use_saturation",
-              "slo_targets", "flow_control", *_POOL_CONFIG_KEYS}  # fmt: skip
+              "slo_targets", "flow_control", "aimd", *_POOL_CONFIG_KEYS}  # fmt: skip
 
 
 def _check_keys(spec: dict[str, Any], allowed: set[str], policy: str) -> None:
@@ -45,6 +45,9 @@ def build_admission(spec: dict[str, Any], config: SimConfig) -> AdmissionAdapter
         admission_config = AdmissionConfig(**config_values)
         dynamics_values: dict[str, Any] = {k: float(spec[k]) for k in ("gamma_d", "gamma_b") if k in spec}
         dynamics = DynamicsConfig(**dynamics_values)
+        from apps.simulator.flow import build_aimd
+
+        aimd, aimd_tick_s, window_ticks, bounds = build_aimd(spec.get("aimd") or {})
         return TokenPoolsAdmission(
             config.tenants,
             seed=config.seed,
@@ -54,6 +57,7 @@ def build_admission(spec: dict[str, Any], config: SimConfig) -> AdmissionAdapter
             mean_slo_ms=None if spec.get("mean_slo_ms") is None else float(spec["mean_slo_ms"]),
             retry_jitter=float(spec.get("retry_jitter", 0.0)),
             use_saturation=bool(spec.get("use_saturation", False)),
+            aimd=aimd, aimd_tick_s=aimd_tick_s, aimd_window_ticks=window_ticks, aimd_bounds_s=bounds,
         )
     if policy == "drr":
         from apps.simulator.flow import build_drr

@@ -294,7 +294,23 @@ def build_drr(spec: dict[str, Any], config: SimConfig) -> DrrAdmission:
             raise PolicyConfigError(f"admission.flows[{name}]: expected {{weight, queue_max}}")
         flows[str(name)] = FlowConfig(**flow)
     workers = int(spec.get("workers", config.num_instances))
-    aimd_spec = spec.get("aimd") or {}
+    aimd, tick_s, window_ticks, bounds = build_aimd(spec.get("aimd") or {})
+    budget = int(spec.get("budget", 32))
+    return DrrAdmission(
+        budget,
+        flows,
+        acquire_timeout_s=float(spec.get("acquire_timeout_s", 1.0)),
+        aimd=aimd,
+        aimd_tick_s=tick_s,
+        window_ticks=window_ticks,
+        workers=workers,
+        histogram_bounds_s=bounds,
+    )
+
+
+def build_aimd(aimd_spec: dict[str, Any]) -> tuple[AimdController | None, float, int, list[float] | None]:
+    """An `aimd:` mapping (seed 002's controller) as (controller or None, tick seconds, window ticks, histogram
+    bounds or None): the DRR gate's and the token-pools machine's budget read the same keys."""
     aimd = None
     tick_s = 5.0
     window_ticks = 6
@@ -323,14 +339,4 @@ def build_drr(spec: dict[str, Any], config: SimConfig) -> DrrAdmission:
         raise PolicyConfigError(
             "admission.aimd.histogram_buckets_s must be a list of bucket bounds in seconds"
         )
-    budget = int(spec.get("budget", 32))
-    return DrrAdmission(
-        budget,
-        flows,
-        acquire_timeout_s=float(spec.get("acquire_timeout_s", 1.0)),
-        aimd=aimd,
-        aimd_tick_s=tick_s,
-        window_ticks=window_ticks,
-        workers=workers,
-        histogram_bounds_s=None if bounds is None else [float(bound) for bound in bounds],
-    )
+    return aimd, tick_s, window_ticks, None if bounds is None else [float(bound) for bound in bounds]

@@ -150,3 +150,21 @@ def test_a_queue_wait_shorter_than_a_request_times_out_and_says_so():
     assert gold["queue_timeouts"] > 0 and gold["queue_timeouts"] == gold["lost"]
     assert gold["queue_wait_p99_s"] is None or gold["queue_wait_p99_s"] <= 0.2 + 1e-6
     assert simulation.summary()["conservation"]["holds"]
+
+
+def test_aimd_moves_the_dispatch_budget_of_the_same_state_machine():
+    """Seed 002's controller on the token-pools machine: TTFTs far over the target cut the budget, and the pool
+    then runs no more requests than the budget allows (no second queue: the machine's own room holds them)."""
+    simulation = simulate(
+        [TenantSpec("e", concurrency=16, entitlement={"service_class": "elastic", "concurrency": 16}, **SHORT)],
+        slots=16, horizon=60.0,
+        aimd={"target_p99_ttft_s": 0.05, "tick_s": 2.0, "window_s": 4.0, "cap_per_worker_min": 2,
+              "cap_per_worker_max": 16, "min_samples": 5})
+    adapter = simulation.cluster.admission
+    assert isinstance(adapter, TokenPoolsAdmission)
+    caps = [cap for _, cap, _ in adapter.budget_samples]
+    assert caps[0] < 16 and min(caps) == 2 and adapter.ledger.budget == caps[-1]
+    cut_at = next(t for t, cap, _ in adapter.budget_samples if cap == 2)
+    later = [s for s in simulation.samples if s.time > cut_at + 1.0]
+    assert later and max(sum(s.running) for s in later) <= 2
+    assert simulation.summary()["conservation"]["holds"]
