@@ -434,11 +434,7 @@ class AdmissionLedger:
 
         self._seq += 1
         entry = RequestRecord(request.request_id, record, decision, request.input_tokens, now, self._seq)
-        if record.bucket is not None:
-            record.bucket.try_consume(entry.cost, now)
-        record.accumulate(now)
-        record.in_flight += 1
-        record.kv_in_flight += entry.kv
+        self._charge(entry, now)
         self._requests[entry.request_id] = entry
         if decision.admitted:
             counters.admitted += 1
@@ -453,6 +449,16 @@ class AdmissionLedger:
             evicted, started = self._evict_for(entry, now)
         started.extend(self._drain(now))
         return LedgerResult(decision, started=tuple(started), evicted=tuple(evicted))
+
+    @staticmethod
+    def _charge(entry: RequestRecord, now: float) -> None:
+        """An offer's charge on its entitlement: its tokens from the bucket, one more in flight, its KV bytes."""
+        record = entry.entitlement
+        if record.bucket is not None:
+            record.bucket.try_consume(entry.cost, now)
+        record.accumulate(now)
+        record.in_flight += 1
+        record.kv_in_flight += entry.kv
 
     def _wait(self, entry: RequestRecord, deadline: float) -> None:
         """offered | queued -> waiting: in the pool's waiting room, by priority."""
@@ -791,11 +797,7 @@ class AdmissionLedger:
                 record.queue.popleft()
                 self._queued_count -= 1
                 entry.own, entry.request, entry.state = False, None, ""
-                if record.bucket is not None:
-                    record.bucket.try_consume(entry.cost, now)
-                record.accumulate(now)
-                record.in_flight += 1
-                record.kv_in_flight += entry.kv
+                self._charge(entry, now)
                 if fits:
                     self._start(entry, now)
                     started.append(entry.request_id)

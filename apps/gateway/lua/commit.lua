@@ -44,13 +44,7 @@ if ARGV[5] == 'queued' then
   save()
   return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), 0}
 end
-if field(e, 'bcap') >= 0 then
-  local level = bucket_level(e, now)
-  if level >= r.cost then e.level = level - r.cost end
-end
-accumulate(e, now)
-e.in_flight = e.in_flight + 1
-e.kv_in_flight = e.kv_in_flight + r.kv
+charge(e, r, now)
 if ARGV[5] == 'running' then
   start(pool, r, now)
   started = {id}

@@ -347,6 +347,19 @@ local function dispatch_cap(pool)
   return pool.cap
 end
 
+-- An offer's charge on its entitlement: its tokens from the bucket, one more in flight, its KV bytes (COMMIT,
+-- and a queue's head leaving the queue: AdmissionLedger.request and _drain_queues)
+local function charge(e, r, now)
+  if field(e, 'bcap') >= 0 then
+    local level = bucket_level(e, now)
+    if level >= r.cost then e.level = level - r.cost end
+  end
+  accumulate(e, now)
+  e.in_flight = e.in_flight + 1
+  e.kv_in_flight = e.kv_in_flight + r.kv
+  touch(e)
+end
+
 -- The budget is what is full, not the capacity: AdmissionLedger._budget_bound
 local function budget_bound(pool)
   dispatch_cap(pool)
@@ -424,14 +437,8 @@ local function drain_queues(pool, now)
         redis.call('ZREM', queue_key(ent), r._id)
         pool.queued = pool.queued - 1
         r.own = 0
-        if field(e, 'bcap') >= 0 then
-          local level = bucket_level(e, now)
-          if level >= r.cost then e.level = level - r.cost end
-        end
-        accumulate(e, now)
-        e.in_flight = e.in_flight + 1
-        e.kv_in_flight = e.kv_in_flight + r.kv
-        touch(e); touch(r); touch(pool)
+        charge(e, r, now)
+        touch(r); touch(pool)
         if room then
           r.state = ''
           redis.call('ZREM', WAIT_T, r.wm)
