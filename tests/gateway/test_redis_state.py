@@ -328,3 +328,31 @@ def test_usage_is_counted_by_the_release_once_and_claimed_once(redis_url: str) -
         assert await store.usage_claim(pool="p", token="t4", lease_s=30) == {}
 
     with_stores(redis_url, 2, body)
+
+
+def test_a_dead_processs_queued_request_is_reaped_and_the_queue_goes_on(redis_url: str) -> None:
+    """A request waiting in its entitlement's queue holds a lease like any other: when its process dies, the
+    reaper takes it out of the queue, and the next one in line starts on the next release."""
+    prefix = f"t{uuid.uuid4().hex}:"
+
+    async def scenario() -> tuple[str, str, int, tuple[str, ...]]:
+        store = RedisStateStore(url=redis_url, prefix=prefix)
+        dying = RedisStateStore(url=redis_url, prefix=prefix, lease_s=0.0)
+        try:
+            ent = limits("e", concurrency=1, queue_max=2, queue_max_wait_ms=60_000.0)
+            p = pool("p", 8, ent)
+            running = await store.offer(limits=ent, pool=p, request=request())
+            lost = await dying.offer(limits=ent, pool=p, request=request())
+            waiter = await store.offer(limits=ent, pool=p, request=request())
+            assert running.reservation is not None and waiter.reservation is not None
+            reaped = await store.leases_reap(pool="p")
+            released = await store.release(reservation=running.reservation, prompt_tokens=5, completion_tokens=1)
+            await store.release(reservation=waiter.reservation, prompt_tokens=5, completion_tokens=1)
+            return lost.decision.reason, waiter.decision.reason, reaped, released.started
+        finally:
+            await store.close()
+            await dying.close()
+
+    lost_reason, waiter_reason, reaped, started = asyncio.run(scenario())
+    assert (lost_reason, waiter_reason, reaped) == ("queued", "queued", 1)
+    assert len(started) == 1  # the live waiter, not the reaped one
