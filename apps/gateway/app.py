@@ -332,7 +332,10 @@ class Gateway:
     def _observe_ttft(self, admission: Admission, seconds: float) -> None:
         # Labelled by entitlement too: the dashboard draws each entitlement's p99 against its own SLO.
         self.metrics.ttft.observe((admission.pool.name, admission.entry.entitlement), seconds)
-        admission.scheduler.observe_ttft(seconds)
+        # The pool's budget (AIMD) answers the pool's load: a wait in the entitlement's own queue is the
+        # entitlement's own limit, and counted in would shrink every tenant's budget for one tenant's excess.
+        own_wait_s = admission.ctx.queue_ms / 1000.0 if admission.decision.own_queue else 0.0
+        admission.scheduler.observe_ttft(max(0.0, seconds - own_wait_s))
 
 
 async def _watch_disconnect(ctx: RequestContext) -> None:
