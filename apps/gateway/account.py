@@ -57,7 +57,10 @@ class Accountant:
         self.metrics.ttft.observe((admission.pool.name, admission.entry.entitlement), seconds)
         budget = self.budgets.get(admission.pool.name)
         if budget is not None:
-            budget.observe_ttft(seconds)
+            # The pool's budget (AIMD) answers the pool's load: a wait in the entitlement's own queue is the
+            # entitlement's own limit, and counted in it would shrink every tenant's budget for one tenant's excess.
+            own_wait_s = admission.ctx.queue_ms / 1000.0 if admission.decision.own_queue else 0.0
+            budget.observe_ttft(max(0.0, seconds - own_wait_s))
 
     async def finish(self, admission: Admission) -> None:
         """Release everything the request holds and account for it (call once)."""

@@ -146,6 +146,8 @@ class TokenPoolsAdmission:
         self.ttft = None if aimd is None else LatencyHistogram(aimd_bounds_s or aimd.histogram_bounds(),
                                                                 window_ticks=aimd_window_ticks)
         self.budget_samples: list[tuple[float, int, str]] = []
+        # Requests that waited in their entitlement's own queue: how long (left out of the budget's TTFT).
+        self.own_wait: dict[str, float] = {}
         self.limits = {tenant.name: entitlement_limits(tenant) for tenant in tenants}
         self.quotas = {tenant.name: rules for tenant in tenants if (rules := quota_rules(tenant))}
         self.seed = seed
@@ -190,8 +192,10 @@ class TokenPoolsAdmission:
 
     def _observe(self, event: str, request: SimRequest) -> None:
         if event == "first_token" and request.first_token_at is not None and self.ttft is not None:
-            # The gateway's TTFT: from arrival at the gateway, queue wait included (seed 002, section 1).
-            self.ttft.observe(request.first_token_at - request.arrival)
+            # The gateway's TTFT: from arrival at the gateway, queue wait included (seed 002, section 1), but not
+            # a wait in the entitlement's own queue (its own limit, not the pool's load: as the gateway's budget).
+            own_wait = self.own_wait.pop(str(request.rid), 0.0)
+            self.ttft.observe(max(0.0, request.first_token_at - request.arrival - own_wait))
 
     def _aimd_tick(self) -> None:
         assert self.aimd is not None and self.ttft is not None
@@ -295,7 +299,10 @@ class TokenPoolsAdmission:
 
     def _collect(self, started: Any) -> None:
         for key in started:
-            self.own_held.discard(key)
+            if key in self.own_held:
+                self.own_held.discard(key)
+                if self.ttft is not None and key in self.held:
+                    self.own_wait[key] = self.cluster.loop.time - self.held[key].arrival
             request = self.held.pop(key, None)
             if request is not None:
                 self.live[key] = request

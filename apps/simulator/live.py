@@ -52,6 +52,8 @@ class LiveRecord:
     attempt: int = 0
     # What a 429 asked the client to wait (Retry-After).
     retry_after_s: float | None = None
+    # What the gateway says the request waited in its queue (x-tokenpools-queue-ms; None: no header).
+    queue_s: float | None = None
 
 
 @dataclass
@@ -229,12 +231,13 @@ class LiveWorkload:
         try:
             async with self._client.stream("POST", next(self._urls) + "/v1/completions", json=body,
                                            headers=headers) as response:
+                queued = _queue_s(response.headers)
                 if response.status_code != 200:
                     await response.aread()
                     reason = response.headers.get("x-tokenpools-reject-reason", "")
                     wait = retry_after_s(response.headers) if response.status_code == 429 else None
                     return LiveRecord(name, sent_at, response.status_code, reason or _error_code(response),
-                                      attempt=attempt, retry_after_s=wait)
+                                      attempt=attempt, retry_after_s=wait, queue_s=queued)
                 ttft: float | None = None
                 tokens = 0
                 async for line in response.aiter_lines():
@@ -244,9 +247,18 @@ class LiveWorkload:
                         ttft = time.monotonic() - started
                     if '"usage"' in line and '"completion_tokens"' in line:
                         tokens = _completion_tokens(line)
-                return LiveRecord(name, sent_at, 200, "", ttft, time.monotonic() - started, tokens, attempt)
+                return LiveRecord(name, sent_at, 200, "", ttft, time.monotonic() - started, tokens, attempt,
+                                  queue_s=queued)
         except httpx.HTTPError as error:
             return LiveRecord(name, sent_at, 0, type(error).__name__, attempt=attempt)
+
+
+def _queue_s(headers: httpx.Headers) -> float | None:
+    """The gateway's own measure of the request's wait in its queue, in seconds."""
+    try:
+        return float(headers["x-tokenpools-queue-ms"]) / 1000.0
+    except (KeyError, ValueError):
+        return None
 
 
 def _error_code(response: httpx.Response) -> str:
@@ -294,7 +306,7 @@ def live_entitlement(tenant: TenantSpec, *, pool: str, owner: str) -> dict[str, 
         # The simulator leaves a missing rate unlimited; the site needs a number: one no run can reach.
         rate = UNBOUNDED_TOKENS_PER_S
     kv_bytes = spec.get("kv_bytes")
-    return {
+    body: dict[str, Any] = {
         "name": tenant.name, "tenant": owner, "pool": pool,
         "service_class": str(spec.get("service_class", "elastic")),
         "slo_target_ms": int(spec.get("slo_target_ms", tenant.slo_target_ms or 1000)),
@@ -302,6 +314,18 @@ def live_entitlement(tenant: TenantSpec, *, pool: str, owner: str) -> dict[str, 
         "kv_cache_gib": str(kv_allowance_gib(tenant) if kv_bytes is None else round(float(kv_bytes) / 1024**3, 6)),
         "concurrency": int(spec.get("concurrency") or 1),
     }
+    # The entitlement's own queue, where the scenario sets it (absent: the class's default, on both sides).
+    for name in ("queue_max", "queue_max_wait_ms"):
+        if spec.get(name) is not None:
+            body[name] = int(spec[name])
+    return body
+
+
+def _manifest_queue(body: dict[str, Any]) -> str:
+    """`spec.qos.queue` of an entitlement's manifest, from its REST body ('' when the class's default)."""
+    fields = [f"{key}: {body[name]}" for name, key in (("queue_max", "max"), ("queue_max_wait_ms", "maxWaitMs"))
+              if name in body]
+    return f", queue: {{{', '.join(fields)}}}" if fields else ""
 
 
 def scenario_site_env(tenants: list[TenantSpec]) -> dict[str, str]:
@@ -344,7 +368,7 @@ metadata: {{name: {body['name']}}}
 spec:
   tenantId: {owner}
   poolRef: {{name: {pool}}}
-  qos: {{serviceClass: {body['service_class']}, sloTargetMs: {body['slo_target_ms']}}}
+  qos: {{serviceClass: {body['service_class']}, sloTargetMs: {body['slo_target_ms']}{_manifest_queue(body)}}}
   resources: {{tokensPerSecond: {body['tokens_per_second']}, kvCacheGiB: {body['kv_cache_gib']}, concurrency: {body['concurrency']}}}
 """)
     return "---\n".join(documents)
@@ -362,6 +386,8 @@ def summarize_live(records: list[LiveRecord], tenants: list[TenantSpec], horizon
                 denials[record.reason] = denials.get(record.reason, 0) + 1
         ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
         e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+        # Waits of the requests served, as the simulator counts them (its waits are those of completed ones).
+        waits = [r.queue_s for r in ok if r.queue_s is not None]
         per_tenant[spec.name] = {
             "submitted": len(mine),
             "admitted": len(ok),
@@ -373,6 +399,9 @@ def summarize_live(records: list[LiveRecord], tenants: list[TenantSpec], horizon
             "ttft_p99_s": _round(percentile(ttft, 99)),
             "e2e_p50_s": _round(percentile(e2e, 50)),
             "e2e_p99_s": _round(percentile(e2e, 99)),
+            "queue_wait_p50_s": _round(percentile(waits, 50)),
+            "queue_wait_p99_s": _round(percentile(waits, 99)),
+            "queue_timeouts": denials.get("queue_timeout", 0),
             "denials": dict(sorted(denials.items())),
         }
     return per_tenant

@@ -9,28 +9,50 @@ when it joins and deleted when it leaves, through the REST API, as an operator w
 
 Per entitlement, admitted and rejected counts must agree within 10% of the simulator's (plus one request for
 rounding) and p99 TTFT within 25% of the simulator's. Both sides are printed.
+
+With queues (issue 23), `seed000_queue_agreement.yaml`: a guaranteed entitlement of 4 slots with 8 closed-loop
+clients waits in its own queue, beside an open-loop spot tenant, run live on both state stores (in-process,
+and Redis behind `serve --workers 2`). Counts compare what a client sees: *served* (a 200 live; admitted less
+queue timeouts in the simulator, which admits a request into its queue and counts a queue timeout as `lost`)
+and *refused* (every 429 live, `queue_timeout` included; rejected plus queue timeouts in the simulator), each
+within 10% plus one request. p99 TTFT within 25%; p99 queue wait (the gateway's `x-tokenpools-queue-ms`, the
+simulator's arrival-to-dispatch) within 25% plus 50 ms, a floor well under one decode step so that a wait the
+simulator puts at zero (spot-b never queues) may be a live handful of milliseconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from apps.simulator.cli import run_simulation
-from apps.simulator.experiment_live import OWNER, POOL, admin_token, operator_hooks, virtual_vllm_cmd
+from apps.simulator.experiment_live import (
+    OWNER,
+    POOL,
+    Backend,
+    admin_token,
+    operator_hooks,
+    run_arm,
+    virtual_vllm_cmd,
+)
 from apps.simulator.live import LiveWorkload, scenario_manifest, scenario_site_env, summarize_live
 from apps.simulator.scenario import load_scenario
-from tests.support.services import free_port, running_http_server
+from tests.support.services import free_port, running_http_server, running_redis
 from tests.support.site import REPO, prepare_site, serving
 
 pytestmark = [pytest.mark.slow]
 
 SCENARIO = REPO / "apps/simulator/scenarios/seed000_exp1_agreement.yaml"
+QUEUE_SCENARIO = REPO / "apps/simulator/scenarios/seed000_queue_agreement.yaml"
 COUNT_TOLERANCE = 0.10
 TTFT_TOLERANCE = 0.25
+WAIT_TOLERANCE = 0.25
+# Below one decode step (133.3 ms): a wait the simulator puts at zero may be a few live milliseconds.
+WAIT_FLOOR_S = 0.05
 
 
 def _live(config: Any, url: str, keys: dict[str, str], token: str) -> list[Any]:
@@ -78,3 +100,53 @@ def test_the_simulator_predicts_the_live_gateway(tmp_path: Path, capsys: pytest.
             assert _close(got[count], sim[count], COUNT_TOLERANCE, floor=1), (name, count, got[count], sim[count])
         assert sim["ttft_p99_s"] is not None and got["ttft_p99_s"] is not None
         assert _close(got["ttft_p99_s"], sim["ttft_p99_s"], TTFT_TOLERANCE), (name, got["ttft_p99_s"], sim["ttft_p99_s"])
+
+
+def _served_refused(sim: dict[str, Any]) -> tuple[int, int]:
+    """The simulator's counts as a client sees them: a queue timeout was admitted into the queue, then lost."""
+    timeouts = int(sim["queue_timeouts"])
+    return int(sim["admitted"]) - timeouts, int(sim["rejected"]) + timeouts
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_the_simulator_predicts_the_live_gateway_with_queues(store: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    scenario = load_scenario(QUEUE_SCENARIO)
+    config = scenario.config
+    assert config.horizon_s is not None
+    simulated = run_simulation(scenario, dict(scenario.admission)).summary()["tenants"]
+    assert simulated["guaranteed-q"]["queue_wait_p99_s"] > 1.0, "the scenario must make guaranteed-q wait"
+
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        backend, _process = stack.enter_context(running_http_server(
+            virtual_vllm_cmd(config, port, POOL), port=port, name="virtual-vllm", cwd=REPO, startup_timeout_s=60))
+        # The redis arm: the Redis store behind `serve --workers 2`, ticks from `run_ticks` (as beat would).
+        redis_url = stack.enter_context(running_redis()) if store == "redis" else None
+        records = run_arm("redis" if store == "redis" else "token-pools", scenario, Backend((backend,), POOL),
+                          tmp_path / store, progress=False, redis_url=redis_url)
+    live = summarize_live(records, config.tenants, float(config.horizon_s))
+
+    lines = [f"{'entitlement':<14} {'side':<5} {'served':>6} {'refused':>7} {'q-tmo':>5} {'wait p50':>8} "
+             f"{'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8}  denials"]
+    for name in sorted(simulated):
+        sim_served, sim_refused = _served_refused(simulated[name])
+        for side, figures, served, refused in (
+                ("sim", simulated[name], sim_served, sim_refused),
+                ("live", live[name], live[name]["admitted"], live[name]["rejected"])):
+            lines.append(f"{name:<14} {side:<5} {served:>6} {refused:>7} {figures['queue_timeouts']:>5} "
+                         f"{figures['queue_wait_p50_s'] or 0:>8.3f} {figures['queue_wait_p99_s'] or 0:>8.3f} "
+                         f"{figures['ttft_p50_s'] or 0:>8.3f} {figures['ttft_p99_s'] or 0:>8.3f}  {figures['denials']}")
+    with capsys.disabled():
+        print(f"\nsim-to-live agreement ({QUEUE_SCENARIO.name}, {store} store)\n" + "\n".join(lines))
+
+    assert sum(figures["errors"] for figures in live.values()) == 0, live
+    for name, sim in simulated.items():
+        got = live[name]
+        sim_served, sim_refused = _served_refused(sim)
+        assert _close(got["admitted"], sim_served, COUNT_TOLERANCE, floor=1), (name, "served", got["admitted"], sim_served)
+        assert _close(got["rejected"], sim_refused, COUNT_TOLERANCE, floor=1), (name, "refused", got["rejected"], sim_refused)
+        for figure, tolerance, floor in (("ttft_p99_s", TTFT_TOLERANCE, 0.0),
+                                         ("queue_wait_p99_s", WAIT_TOLERANCE, WAIT_FLOOR_S)):
+            assert sim[figure] is not None and got[figure] is not None, (name, figure)
+            assert _close(got[figure], sim[figure], tolerance, floor), (name, figure, got[figure], sim[figure])

@@ -137,3 +137,19 @@ def test_a_waiter_on_its_bucket_is_woken_at_the_refill_time_without_any_release(
     assert (first_state, reason, started) == ("running", "queued", True)
     assert retry_s == pytest.approx(0.3, abs=0.05)
     assert 0.2 <= waited < 2.0, waited
+
+
+def test_a_wait_in_its_own_queue_is_not_the_pools_latency(gateway_factory: Any, upstream_factory: Any) -> None:
+    """The pool's dispatch budget (AIMD) reads the pool's time to first token: an entitlement over its own
+    concurrency waits for its own limit, and counted in, that wait would shrink every tenant's budget."""
+    upstream, _ = upstream_factory(first_token_delay_s=0.3)
+    h = gateway_factory(upstreams=[upstream], entitlement={"concurrency": 1})
+    responses = fire(h, 4)
+    assert [r.status_code for r in responses] == [200] * 4
+    assert max(float(r.headers["x-tokenpools-queue-ms"]) for r in responses) >= 600.0  # the last waited for 3
+    histogram = h.gateway.budgets[h.pool.name].histogram
+    counts = histogram.counts()
+    assert histogram.count == 4
+    # What the budget saw is the upstream's 0.3 s, the queue's waits taken out (with them: 0.6 to 1.2 s).
+    slower = sum(n for bound, n in zip((*histogram.bounds, math.inf), counts, strict=True) if bound > 0.5)
+    assert slower == 0, counts
