@@ -56,6 +56,7 @@ from apps.policy import (
     Clock,
     Dynamics,
     EntitlementLimits,
+    EntitlementState,
     EntitlementUsage,
     PoolUsage,
     admit,
@@ -256,8 +257,13 @@ class RedisStateStore(GatewayStateStore):
 
     async def sync_pool(self, *, pool: PoolInfo, saturation: float = 0.0) -> None:
         signature, pairs = _reserved_args(pool)
+        queues: list[str] = []
+        for limits in pool.entitlements:
+            queues += [limits.entitlement_id, _queue_args(limits),
+                       "1" if limits.state is EntitlementState.BOUND else "0"]
         started = await self._call("sync", [self._base(pool.name)],
-                                   [self._now(), *_capacity_args(pool, saturation, self.config), signature, *pairs])
+                                   [self._now(), *_capacity_args(pool, saturation, self.config), signature,
+                                    len(pairs), *pairs, *queues])
         self._notify(started=started)
 
     async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float,

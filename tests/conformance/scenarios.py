@@ -234,6 +234,23 @@ QUEUE_SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
+        "queue: new limits let it go: a degraded entitlement's head stays, a larger concurrency starts it",
+        Pool(slots=8),
+        (ent("chat", "guaranteed", concurrency=1, queue_max=2, queue_max_wait_ms=5000.0),),
+        (
+            Offer("a", "chat", expect="running"),
+            Offer("b", "chat", expect="waiting", reason="queued"),
+            Bind(ent("chat", "guaranteed", concurrency=1, queue_max=2, queue_max_wait_ms=5000.0, state="degraded")),
+            Complete("a", output=5, started=()),
+            State("b", expect="waiting"),
+            Bind(ent("chat", "guaranteed", concurrency=2, queue_max=2, queue_max_wait_ms=5000.0)),
+            State("b", expect="running"),
+            Offer("c", "chat", expect="running"),
+            Complete("b", output=5),
+            Complete("c", output=5),
+        ),
+    ),
+    Scenario(
         "queue: a wait on its token bucket, woken at the refill time",
         Pool(slots=8),
         (ent("rated", "guaranteed", tokens_per_second=10.0, token_bucket_seconds=10.0, queue_max=4,
