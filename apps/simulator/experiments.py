@@ -16,6 +16,7 @@ from typing import Any
 
 from apps.policy.aimd import DEFAULT_TTFT_BUCKETS_S
 from apps.simulator.cli import run_simulation
+from apps.simulator.experiment_budget import machine_point, machine_scenario, machine_table
 from apps.simulator.scenario import Scenario, load_scenario
 from apps.simulator.simulation import SimConfig, Simulation, percentile
 from apps.simulator.workload import LengthSpec, TenantSpec
@@ -429,6 +430,12 @@ def run_aimd(
     }  # fmt: skip
     for name, options in ablations.items():
         sweep["ablations"][name], _ = _aimd_run(f"ablation-{name}", 16, None, horizon_s, tail_s, **options)
+    lower, upper = AIMD_TARGET_S * (1 - AIMD_BAND), AIMD_TARGET_S * (1 + AIMD_BAND)
+    sweep["machine"] = {}
+    for cap in caps:
+        config, spec = machine_scenario(*aimd_config(cap, None, horizon_s))
+        simulation = run_simulation(Scenario(f"machine-{cap}", config), spec)
+        sweep["machine"][cap] = machine_point(simulation, tail_s, lower, upper)
     return sweep, runs
 
 
@@ -524,6 +531,8 @@ def aimd_report(sweep: dict[str, Any]) -> str:
             f"| {_fmt(point['tail_cap_min'])}..{_fmt(point['tail_cap_max'])} | {_fmt(point['tail_ticks_in_band'])} "
             f"| {point['decreases']} | {_fmt(point['output_tokens_per_s'], 0)} |"
         )
+    if sweep.get("machine"):
+        lines += machine_table(sweep["machine"], _fmt)
     ablations = sweep.get("ablations") or {}
     if ablations:
         lines += [

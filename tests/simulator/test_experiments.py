@@ -119,3 +119,23 @@ def test_drr_acquire_timeout_bounds_queue_wait_exactly():
     waits = [w for tenant in simulation.cluster.stats.tenants.values() for w in tenant.queue_wait]
     assert waits and max(waits) <= 1.0 + 1e-6
     assert simulation.cluster.stats.lost["acquire_timeout"] > 0
+
+
+def test_the_aimd_load_on_the_token_pools_machine_waits_only_under_the_budget_and_refuses_at_capacity():
+    """The machine's arm of the AIMD experiment: the controller's per-worker caps become the pool's budget, a
+    budget wait ends at the 1 s acquire timeout, and beyond the pool's 256 slots the machine refuses rather than
+    queueing, so the p99 stays far below the DRR gate's queue-fed 2 s."""
+    from apps.simulator.cli import run_simulation
+    from apps.simulator.experiment_budget import machine_point, machine_scenario
+    from apps.simulator.experiments import aimd_config
+    from apps.simulator.scenario import Scenario
+
+    config, spec = machine_scenario(*aimd_config(16, None, horizon_s=120.0))
+    assert spec["aimd"]["cap_per_worker_initial"] == 32 and spec["aimd"]["cap_per_worker_max"] == 512
+    simulation = run_simulation(Scenario("machine", config), spec)
+    point = machine_point(simulation, 60.0, 1.6, 2.4)
+    assert point["tail_cap_min"] is not None and point["tail_cap_min"] >= 32
+    assert point["expired"] > 0 and point["ttft_p99_tail_s"] <= 1.0 + 0.5
+    waits = [w for tenant in simulation.cluster.stats.tenants.values() for w in tenant.queue_wait]
+    assert waits and max(waits) <= 1.0 + 1e-6
+    assert simulation.summary()["conservation"]["holds"]
