@@ -6,6 +6,7 @@ as the ledger's is tests/conformance's job.)"""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -356,3 +357,36 @@ def test_a_dead_processs_queued_request_is_reaped_and_the_queue_goes_on(redis_ur
     lost_reason, waiter_reason, reaped, started = asyncio.run(scenario())
     assert (lost_reason, waiter_reason, reaped) == ("queued", "queued", 1)
     assert len(started) == 1  # the live waiter, not the reaped one
+
+
+def test_a_call_waits_for_a_pooled_connection_and_is_busy_only_past_the_pool_timeout(redis_url: str) -> None:
+    """The connection pool's fast path (a free connection taken without a timer) keeps the blocking pool's
+    promise: with every connection taken a call waits, gets the connection a release hands over, and only a
+    wait past the pool timeout is `StateStoreBusy` (503 state_store_busy, never failed open)."""
+    from apps.gateway.state import StateStoreBusy
+
+    async def scenario() -> tuple[bool, int, float]:
+        store = RedisStateStore(url=redis_url, prefix=f"t{uuid.uuid4().hex}:", max_connections=1,
+                                pool_timeout_s=0.3, socket_timeout_s=5.0)
+        try:
+            holder = asyncio.create_task(store.redis.blpop([f"{store.prefix}nothing"], 1))  # holds the connection 1 s
+            await asyncio.sleep(0.05)
+            began = time.monotonic()
+            try:
+                await store.pool_running(pool="p")
+                busy = False
+            except StateStoreBusy:
+                busy = True
+            waited = time.monotonic() - began
+            await holder
+            holder = asyncio.create_task(store.redis.blpop([f"{store.prefix}nothing"], 0.1))  # now 0.1 s only
+            await asyncio.sleep(0.02)
+            handed = await store.pool_running(pool="p")  # waits for that release, within the pool timeout
+            await holder
+            return busy, handed, waited
+        finally:
+            await store.close()
+
+    busy, running, waited = asyncio.run(scenario())
+    assert busy and 0.25 <= waited < 1.0
+    assert running == 0

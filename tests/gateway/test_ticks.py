@@ -165,7 +165,7 @@ def test_aimd_tick_publishes_the_shared_budget_every_gateway_process_enforces(
             try:
                 return await store.pool_budget(pool=name)
             finally:
-                await store.redis.delete(store._budget_key(name))
+                await store.pool_budgets_set(budgets={name: None})
                 await store.close()
 
         assert (records[name].samples, records[name].cap, records[name].last_action) == (12, 8, "decrease")

@@ -2,9 +2,8 @@
 -- smaller one cancels nothing (new starts wait for releases), a larger one starts waiters (AdmissionLedger.set_budget).
 -- ARGV: now, budget.  Returns the ids started.
 local now = clock(ARGV[1])
-if ARGV[2] == '' then redis.call('DEL', BASE .. 'budget') else redis.call('SET', BASE .. 'budget', ARGV[2]) end
-local pool = load(POOL)
-if pool._new then return {} end
+local pool = pool_record(now)
+if ARGV[2] == '' then pool.budget = -1 else pool.budget = tonumber(ARGV[2]) end
 local started = drain(pool, now)
 took_room(pool)
 save()

@@ -37,6 +37,7 @@ if ARGV[5] == 'queued' then
   r.wm = wait_member(r.seq, id)
   r.dl = now + tonumber(qwait)
   pool.queued = field(pool, 'queued') + 1
+  e.qlen = field(e, 'qlen') + 1
   redis.call('ZADD', queue_key(r.ent), r.seq, id)
   if not redis.call('ZSCORE', QENTS, r.ent) then redis.call('ZADD', QENTS, r.seq, r.ent) end
   redis.call('ZADD', WAIT_T, fmt(r.dl), r.wm)

@@ -7,15 +7,17 @@
 -- KEYS[1] is the pool's key prefix, `tp:gw:{<pool>}:` (one hash tag: a pool's keys share a cluster slot).
 -- Records (one MessagePack map each, read and written whole: a Lua loop over hash fields, formatting and
 -- parsing every number, cost more than the transitions themselves):
---   pool      levels and configuration of the pool (running, kv, ev_n, ev_kv, waiting, seq, cap, kv_cap, sat,
---             timeout, max_ev, last_tick, ver, res_sig)
+--   pool      levels and configuration of the pool (running, kv, ev_n, ev_kv, waiting, queued, seq, cap, kv_cap,
+--             sat, timeout, max_ev, last_tick, ver, res_sig, budget: the dispatch budget of seed 002's AIMD, no
+--             more than this many run whatever the capacity, absent or -1 when none; set by BUDGET,
+--             AdmissionLedger.set_budget)
 --   ent:<id>  one entitlement: in_flight, kv_in_flight, running, kv_running, its token bucket (bcap: -1 when
 --             unlimited, brate, level, ts), debt, burst, and the served/demand window (last_change, slot_s,
 --             kv_s, wait_s, tok, done, rej_n, rej_tok, rej_kv)
 --   req:<id>  one queued, waiting or running request (ent, prio, cost, kv, input, max, ev, state, enq, seq, wm,
 --             em, dl: its deadline while it waits, own: 1 while in its entitlement's queue)
---   ent:<id> also holds the limits its queue is let go by (conc, bconc, kvl, bkvl: -1 when unlimited; mb: may
---             burst; bound), as the last COMMIT for it was given them
+--   ent:<id> also holds its queue's length (qlen) and the limits the queue is let go by (conc, bconc, kvl, bkvl:
+--             -1 when unlimited; mb: may burst; bound), as the last COMMIT or SYNC was given them
 -- Indexes:
 --   prio      zset  running requests by priority (the admission threshold is the lowest)
 --   evict     zset  running preemptible requests by priority; members sort newest dispatch first
@@ -24,8 +26,6 @@
 --   q:<ent>   zset  an entitlement's queue (requests over its own limits, holding nothing) by arrival (seq)
 --   qents     zset  entitlements whose queue holds requests, by the arrival of their head
 --   run:<ent> zset  an entitlement's running requests by start time (Retry-After's earliest expected end)
---   budget    string the pool's dispatch budget (seed 002's AIMD): no more than this many run, whatever the
---             capacity (absent: the capacity); set by BUDGET (AdmissionLedger.set_budget)
 --   res       hash  Bound dedicated/guaranteed entitlements of the pool: id -> "concurrency kv_bytes"
 --   leases    zset  requests by lease deadline (a process that dies stops renewing them)
 -- MessagePack keeps every double exactly; scores and replies are formatted with 17 significant digits.
@@ -36,8 +36,6 @@ local EVENTS = 'tp:gw:events'
 local PRIVATE = {_key = true, _new = true, _id = true}
 -- Records are read once per call into tables and written back by `save` (the records touched).
 local cache, dirty, order
--- The pool's dispatch budget as read once per call (false: not read yet; -1: none).
-local budget_read
 
 -- One call's keys and arguments, and a fresh record cache (Redis runs one call at a time).
 local function bind(keys, args)
@@ -46,7 +44,6 @@ local function bind(keys, args)
   POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
   RES, LEASES, QENTS = BASE .. 'res', BASE .. 'leases', BASE .. 'qents'
   cache, dirty, order = {}, {}, {}
-  budget_read = false
 end
 
 local function fmt(x)
@@ -286,6 +283,9 @@ end
 
 -- queued -> gone (cancelled or expired); it held nothing: AdmissionLedger._leave_queue
 local function leave_queue(pool, r)
+  local e = load(ent_key(r.ent))
+  e.qlen = field(e, 'qlen') - 1
+  touch(e)
   redis.call('ZREM', queue_key(r.ent), r._id)
   queue_head(r.ent)
   pool.queued = field(pool, 'queued') - 1
@@ -342,8 +342,8 @@ end
 
 -- The slots requests may run in: the capacity, or the dispatch budget when it is lower (AdmissionLedger.dispatch_capacity).
 local function dispatch_cap(pool)
-  if budget_read == false then budget_read = tonumber(redis.call('GET', BASE .. 'budget') or '') or -1 end
-  if budget_read >= 0 and budget_read < pool.cap then return budget_read end
+  local budget = pool.budget
+  if budget ~= nil and budget >= 0 and budget < pool.cap then return budget end
   return pool.cap
 end
 
@@ -362,8 +362,8 @@ end
 
 -- The budget is what is full, not the capacity: AdmissionLedger._budget_bound
 local function budget_bound(pool)
-  dispatch_cap(pool)
-  return budget_read >= 0 and budget_read <= pool.running and pool.running < pool.cap
+  local budget = pool.budget
+  return budget ~= nil and budget >= 0 and budget <= pool.running and pool.running < pool.cap
 end
 
 -- (slots lacking, KV bytes lacking, entitled): AdmissionLedger._room_for
@@ -436,6 +436,7 @@ local function drain_queues(pool, now)
         -- queued -> charged like an offer (bucket, in flight, KV bytes), then started or waiting
         redis.call('ZREM', queue_key(ent), r._id)
         pool.queued = pool.queued - 1
+        e.qlen = field(e, 'qlen') - 1
         r.own = 0
         charge(e, r, now)
         touch(r); touch(pool)
@@ -506,14 +507,20 @@ end
 
 -- The pool as the caller's snapshot describes it (capacity, saturation, reservations, timeouts); a pool seen
 -- for the first time opens its tick window now (AdmissionLedger.__init__).
-local function pool_config(now, cap, kv_cap, sat, timeout, max_ev, reserved)
+local function pool_record(now)
   local pool = load(POOL)
   if pool._new then
     pool._new = false
     pool.running, pool.kv, pool.ev_n, pool.ev_kv, pool.waiting, pool.seq, pool.ver = 0, 0, 0, 0, 0, 0, 0
-    pool.queued = 0
+    pool.queued, pool.budget, pool.cap, pool.kv_cap, pool.sat, pool.timeout, pool.max_ev = 0, -1, 0, 0, 0, 0, 0
     pool.last_tick = now
+    touch(pool)
   end
+  return pool
+end
+
+local function pool_config(now, cap, kv_cap, sat, timeout, max_ev, reserved)
+  local pool = pool_record(now)
   pool.cap, pool.kv_cap, pool.sat, pool.timeout, pool.max_ev = tonumber(cap), num(kv_cap), num(sat), num(timeout), tonumber(max_ev)
   touch(pool)
   if reserved ~= nil then

@@ -14,7 +14,11 @@ for i = 5, #ARGV do table.insert(reserved, ARGV[i]) end
 local idle_slots, idle_kv = idle_reservations(reserved, '')
 local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
 local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
-local oldest = redis.call('ZRANGE', run_key(ARGV[2]), 0, 0, 'WITHSCORES')
+-- The oldest start only matters to a refusal by its own limits (Retry-After): read when they are reached.
+local oldest = {}
+if (limit(e, 'conc') >= 0 and e.in_flight >= e.conc) or (limit(e, 'kvl') >= 0 and e.kv_in_flight > 0) then
+  oldest = redis.call('ZRANGE', run_key(ARGV[2]), 0, 0, 'WITHSCORES')
+end
 -- Nothing is written: the refill and the limits seen here are applied for real by COMMIT (a refill is the same
 -- in one step or two), so concurrent readers never disturb each other.
 -- One string of space-separated fields (a reply of one element: parsing each element of a list is what a
@@ -23,5 +27,4 @@ return table.concat({fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(
                      fmt(e.debt), fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')),
                      fmt(idle_slots), fmt(idle_kv), low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')),
                      fmt(field(pool, 'ev_kv')), fmt(field(pool, 'ver')),
-                     fmt(redis.call('ZCARD', queue_key(ARGV[2]))), oldest[2] or '',
-                     redis.call('GET', BASE .. 'budget') or ''}, ' ')
+                     fmt(field(e, 'qlen')), oldest[2] or '', fmt(pool.budget or -1)}, ' ')
