@@ -376,14 +376,20 @@ def windowed_p99(
     +Inf last). Keeps one copy of the counts per sample; None without observations in the window."""
     from apps.policy.aimd import histogram_quantile
 
-    history = state.ttft.get(labels)
+    recent = _window_delta(state.ttft, labels, len(bounds) + 1, counts, window)
+    return histogram_quantile(0.99, bounds, [max(0, round(c)) for c in recent])
+
+
+def _window_delta(histories: dict[Any, deque[list[float]]], key: Any, width: int, series: Sequence[float] | None,
+                  window: int) -> list[float]:
+    """What a cumulative series gained over the last `window` samples (this sample's values kept for later)."""
+    history = histories.get(key)
     if history is None:
-        history = state.ttft[labels] = deque(maxlen=window + 1)
-    current = [float(c) for c in counts] if counts is not None else [0.0] * (len(bounds) + 1)
+        history = histories[key] = deque(maxlen=window + 1)
+    current = [float(c) for c in series] if series is not None else [0.0] * width
     history.append(current)
     oldest = history[0] if len(history) > 1 else [0.0] * len(current)
-    recent = [max(0, round(a - b)) for a, b in zip(current, oldest, strict=False)]
-    return histogram_quantile(0.99, bounds, recent)
+    return [a - b for a, b in zip(current, oldest, strict=False)]
 
 
 def windowed_wait(
@@ -394,13 +400,7 @@ def windowed_wait(
     (bucket counts, +Inf, sum, count); (None, None) when no wait ended in the window."""
     from apps.policy.aimd import histogram_quantile
 
-    history = state.waits.get(entitlement)
-    if history is None:
-        history = state.waits[entitlement] = deque(maxlen=window + 1)
-    current = [float(c) for c in series] if series is not None else [0.0] * (len(bounds) + 3)
-    history.append(current)
-    oldest = history[0] if len(history) > 1 else [0.0] * len(current)
-    recent = [a - b for a, b in zip(current, oldest, strict=False)]
+    recent = _window_delta(state.waits, entitlement, len(bounds) + 3, series, window)
     count = round(recent[-1])
     if count <= 0:  # no wait ended in the window (or the gateway restarted): no point rather than a zero
         return None, None
