@@ -124,6 +124,7 @@ class Admitter:
         # This process's requests waiting now, by entitlement (`tokenpools_queue_depth`; Prometheus sums the
         # processes).
         self.waiting: dict[str, int] = {}
+        self.waiting_by_pool: dict[str, int] = {}
         metrics.add_gauge("tokenpools_queue_depth",
                           "Requests of this process waiting in their entitlement's queue or the pool's waiting room.",
                           ("entitlement",), lambda: {(name,): float(count) for name, count in self.waiting.items()})
@@ -194,7 +195,9 @@ class Admitter:
         # The state machine's own deadlines: the entitlement's queue wait, or the pool's acquire timeout.
         timeout_s = limits.own_queue_wait_s if own else self.store.config.wait_timeout_s
         waited_from = time.perf_counter()
+        pool = offer.reservation.pool
         self.waiting[limits.entitlement_id] = self.waiting.get(limits.entitlement_id, 0) + 1
+        self.waiting_by_pool[pool] = self.waiting_by_pool.get(pool, 0) + 1
         try:
             return await self.store.wait(reservation=offer.reservation, timeout_s=timeout_s,
                                          wake_s=offer.decision.retry_after_s if own else None)
@@ -202,6 +205,7 @@ class Admitter:
             raise store_error(exc) from None
         finally:
             self.waiting[limits.entitlement_id] -= 1
+            self.waiting_by_pool[pool] -= 1
             waited = time.perf_counter() - waited_from
             ctx.queue_ms = waited * 1000.0
             self.metrics.queue_wait.observe((limits.entitlement_id,), waited)

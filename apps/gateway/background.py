@@ -349,6 +349,14 @@ class BackgroundLoops:
         gateway = self.gateway
         add = gateway.metrics.add_gauge
         budgets, replicas, in_flight = gateway.budgets, gateway.replicas, gateway.in_flight
+
+        def waiting() -> dict[tuple[str, ...], float]:
+            admitter = getattr(gateway, "admitter", None)  # made when the gateway starts
+            by_pool = {} if admitter is None else admitter.waiting_by_pool
+            return {(name,): float(by_pool.get(name, 0)) for name in budgets}
+
+        add("flow_control_queue_size", "Requests of this process waiting in the pool: in their entitlements' queues "
+            "or its waiting room.", ("pool",), waiting)
         add("flow_control_pool_budget", "The pool's dispatch budget (AIMD cap): this process's, or the pool's with "
             "Redis.", ("pool",), lambda: {(name,): float(b.budget) for name, b in budgets.items()})
         add("flow_control_budget_utilization", "This process's requests in flight (waiting included) over the "

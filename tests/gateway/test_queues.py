@@ -67,6 +67,7 @@ def test_over_its_concurrency_every_request_waits_and_is_served(gateway_factory:
     text = scrape(h.url)
     assert 'tokenpools_queue_wait_seconds_count{entitlement="acme-chat"} 4' in text
     assert 'tokenpools_queue_depth{entitlement="acme-chat"} 0' in text
+    assert 'flow_control_queue_size{pool="tiny"} 0' in text
 
 
 def test_a_full_queue_refuses_at_once_and_a_long_wait_times_out(gateway_factory: Any, upstream_factory: Any,

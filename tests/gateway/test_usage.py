@@ -84,6 +84,7 @@ def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any, met
     assert 'gateway_request_duration_seconds_bucket{pool="tiny",le="+Inf"} 1' in text
     assert 'tokenpools_queue_depth{entitlement="acme-chat"}' not in text  # nobody ever waited
     assert 'flow_control_pool_budget{pool="tiny"}' in text
+    assert 'flow_control_queue_size{pool="tiny"} 0' in text
     assert 'flow_control_budget_utilization{pool="tiny"} 0' in text
     assert 'gateway_requests_in_flight{pool="tiny"} 0' in text
 
