@@ -29,8 +29,9 @@ def manifest(backend_url: str) -> str:
         entitlement("guaranteed-c", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=6),
         entitlement("spot-b", tenant="globex", pool="tiny", service_class="spot", concurrency=10,
                     slo_target_ms=30000),
+        # No queue: its second request is refused at once (what the Retry-After test below needs).
         entitlement("single-slot", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=1,
-                    tokens_per_second=100_000, kv_cache_gib=0.05),
+                    tokens_per_second=100_000, kv_cache_gib=0.05, queue_max=0),
     )
 
 

@@ -136,14 +136,18 @@ def test_a_redis_stall_longer_than_the_socket_timeout_leaves_nothing_held(
     gateway_factory: Any, upstream_factory: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Redis frozen (SIGSTOP, as `DEBUG SLEEP` does: the commands sent meanwhile run once it is back, though
-    their callers timed out) for 3 socket timeouts while requests are offered."""
+    their callers timed out) for 3 socket timeouts while requests are offered. The lease is longer than the
+    stall here: a hold whose lease lapses counts as spent in full (README), so with a 1 s lease a request served
+    just before the stall, whose release waited out the stall, was charged its whole reservation (a loaded run
+    served 7 before the stall and charged 2,845 tokens)."""
+    lease_s = 3.0
     redis = PrivateRedis()
     redis.start()
     try:
         upstream, _ = upstream_factory(max_output=5)
-        store = RedisStateStore(url=redis.url, prefix="t:", lease_s=LEASE_S, socket_timeout_s=0.5)
+        store = RedisStateStore(url=redis.url, prefix="t:", lease_s=lease_s, socket_timeout_s=0.5)
         h = gateway_factory(upstreams=[upstream], store=store, entitlement=QUOTA, pool=POOL,
-                            config=CONFIG)
+                            config={**CONFIG, "lease_s": lease_s})
         payload = _raw_request(h.secret, BODY)
 
         async def offer_during_stall() -> list[int]:
@@ -164,7 +168,7 @@ def test_a_redis_stall_longer_than_the_socket_timeout_leaves_nothing_held(
             return list(await asyncio.gather(*tasks))
 
         codes = asyncio.run(offer_during_stall())
-        held = _settled(h, within_s=LEASE_S + 5.0)
+        held = _settled(h, within_s=lease_s + 5.0)
         with capsys.disabled():
             print(f"\nRedis frozen 1.5 s (socket timeout 0.5 s) while 30 requests were offered: answers "
                   f"{ {c: codes.count(c) for c in sorted(set(codes))} }; then held: {held}")

@@ -20,7 +20,10 @@ spec:
 
 
 def entitlement(name: str, *, tenant: str, pool: str, service_class: str, concurrency: int,
-                tokens_per_second: int = 200_000, kv_cache_gib: float = 0.25, slo_target_ms: int = 2000) -> str:
+                tokens_per_second: int = 200_000, kv_cache_gib: float = 0.25, slo_target_ms: int = 2000,
+                queue_max: int | None = None) -> str:
+    """A TokenEntitlement document; `queue_max` sets its own queue's size (None: the class's default)."""
+    queue = "" if queue_max is None else f", queue: {{max: {queue_max}}}"
     return f"""
 apiVersion: tokenpools.io/v1alpha1
 kind: TokenEntitlement
@@ -28,7 +31,7 @@ metadata: {{name: {name}}}
 spec:
   tenantId: {tenant}
   poolRef: {{name: {pool}}}
-  qos: {{serviceClass: {service_class}, sloTargetMs: {slo_target_ms}}}
+  qos: {{serviceClass: {service_class}, sloTargetMs: {slo_target_ms}{queue}}}
   resources: {{tokensPerSecond: {tokens_per_second}, kvCacheGiB: {kv_cache_gib}, concurrency: {concurrency}}}
 """
 
