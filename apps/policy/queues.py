@@ -44,11 +44,14 @@ def own_retry_s(decision: AdmissionDecision, oldest_start: float | None, now: fl
                 expected_service_s: float) -> float:
     """When the entitlement will have room, as far as the state tells: the bucket's refill time for a token
     refusal, else the earliest expected end among its running requests (the oldest start plus the expected
-    service time), at least a twentieth of that service time."""
+    service time), at least a twentieth of that service time. Once that end has passed (a request running
+    longer than expected) the state knows no better than the expected service time: a client told to come back
+    at once would only be refused again."""
     if decision.reason == Reason.RATE_LIMIT_EXCEEDED.value and decision.retry_after_s > 0:
         return decision.retry_after_s
-    end = now + expected_service_s if oldest_start is None else oldest_start + expected_service_s
-    return max(end - now, expected_service_s / 20.0)
+    if oldest_start is None or oldest_start + expected_service_s <= now:
+        return expected_service_s
+    return max(oldest_start + expected_service_s - now, expected_service_s / 20.0)
 
 
 def queued_decision(decision: AdmissionDecision, priority: float, retry_after_s: float) -> AdmissionDecision:

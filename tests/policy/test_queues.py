@@ -128,3 +128,11 @@ def test_waits_over_ten_minutes_and_negative_queues_are_configuration_errors() -
         limits(queue_max=-1)
     assert limits().own_queue_max == 8 and limits(service_class="elastic").own_queue_max == 4
     assert limits(service_class="preemptible").own_queue_max == 0
+
+
+def test_past_its_expected_end_retry_after_is_the_expected_service_time_not_at_once() -> None:
+    ledger = AdmissionLedger(concurrency_capacity=8)
+    ledger.upsert_entitlement(limits(service_class="spot", concurrency=1, burst_concurrency=1), now=0)
+    assert offer(ledger, "a", 0.0).decision.admitted
+    # a has run 5 s against an expected 1 s: nothing in the state says when it ends
+    assert offer(ledger, "b", 5.0).decision.retry_after_s == pytest.approx(1.0)
