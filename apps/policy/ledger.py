@@ -373,7 +373,7 @@ class AdmissionLedger:
             lowest_evictable_priority=None if lowest is None else lowest[0],
             evictable_running=self.evictable_running,
             evictable_kv_bytes=self.evictable_kv,
-            budget_bound=self.budget is not None and self.budget <= self.running < self.concurrency_capacity,
+            budget_bound=self._budget_bound(),
         )
 
     @property
