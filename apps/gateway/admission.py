@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from apps.gateway.config import GatewayConfig
-from apps.gateway.context import RequestContext
+from apps.gateway.context import ClientGone, RequestContext
 from apps.gateway.errors import GatewayError, rejected, unavailable
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.parse import slo_hints
@@ -157,6 +157,11 @@ class Admitter:
         ctx, entry, limits, offer = admission.ctx, admission.entry, admission.limits, admission.offer
         if offer.state == WAITING and not await self._wait(ctx, limits, offer):
             raise self._rejection(entry, limits, self._turned_away(offer.decision))
+        if ctx.disconnected:
+            # The watcher's cancellation can be lost in a store call: Python 3.11's asyncio.wait_for (redis-py's
+            # socket timeout) returns a reply that came in with the cancellation and drops the cancellation
+            # (CPython gh-86296). Seen under load: a gone client's request was sent and served in full.
+            raise ClientGone()
 
     def _limits(self, entry: KeyEntry, max_model_len: int | None) -> EntitlementLimits:
         limits = entry.limits_at(time.time())

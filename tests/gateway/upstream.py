@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _words(payload: dict[str, Any]) -> int:
+def prompt_tokens_of(payload: dict[str, Any]) -> int:
+    """The prompt tokens this backend reports: one a word, and two more for a chat template."""
     if "messages" in payload:
         return sum(len(str(m.get("content") or "").split()) for m in payload["messages"]) + 2
     prompt = payload.get("prompt")
@@ -81,7 +82,7 @@ class Upstream:
                 await self._json(send, 404, {"detail": "Not Found"})
                 return
             try:
-                count = _words(payload)
+                count = prompt_tokens_of(payload)
                 if self.tokenize_refuses is not None and self.tokenize_refuses in json.dumps(payload):
                     raise ValueError(self.tokenize_refuses)
             except (TypeError, AttributeError, ValueError):
@@ -99,7 +100,7 @@ class Upstream:
             return
         chat = path.endswith("chat/completions")
         try:
-            prompt_tokens = _words(payload)
+            prompt_tokens = prompt_tokens_of(payload)
         except (TypeError, AttributeError, ValueError):
             await self._json(send, 400, {"object": "error", "message": "malformed input"})
             return
