@@ -40,6 +40,17 @@ class PoolInfo:
     reserved: tuple[tuple[str, int, float], ...] = ()
     # Every entitlement of the pool, whatever its state: the admission state machine's view of the pool.
     entitlements: tuple[EntitlementLimits, ...] = ()
+    # What the pool's replica URLs are (issue 24): "vllm" servers, or an "llm-d" inference gateway, which is
+    # handed the tenant and the served class's InferenceObjective (`objective_for`) on every request.
+    backend_kind: str = "vllm"
+    objectives: tuple[tuple[str, str], ...] = ()
+
+    def objective_for(self, service_class: str) -> str:
+        """The InferenceObjective name of a served class: the pool's map, else `tokenpools-<class>`."""
+        for name, objective in self.objectives:
+            if name == service_class:
+                return objective
+        return f"tokenpools-{service_class}"
 
 
 @dataclass(frozen=True, slots=True)

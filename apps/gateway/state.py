@@ -77,6 +77,8 @@ class Reservation:
     accounted: bool = True
     # Whose quotas the request reserved against (`QuotaClaim.scope`); None: no quota applies.
     quota_scope: str | None = None
+    # The class the request is served as (its entitlement's, or a lower one: spilled over, demoted).
+    service_tier: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +138,7 @@ def reservation_for(limits: EntitlementLimits, pool: str, request: AdmissionRequ
         request_id=request.request_id, entitlement=limits.entitlement_id, pool=pool,
         token_cost=decision.token_cost, kv_bytes=decision.kv_bytes, priority=decision.priority,
         max_tokens=decision.max_tokens, input_tokens=request.input_tokens, evictable=limits.traits.evictable,
-        quota_scope=None if quota is None else quota.scope,
+        quota_scope=None if quota is None else quota.scope, service_tier=str(limits.service_class),
     )
 
 

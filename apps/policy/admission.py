@@ -40,7 +40,14 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from apps.policy.classes import ClassTraits, ServiceClass, SloTier, effective_slo_tier
+from apps.policy.classes import (
+    SPILLOVER_FROM,
+    SPILLOVER_TO,
+    ClassTraits,
+    ServiceClass,
+    SloTier,
+    effective_slo_tier,
+)
 from apps.policy.errors import PolicyConfigError, require_non_negative, require_positive
 from apps.policy.priority import (
     DEFAULT_ALPHA_BURST,
@@ -133,9 +140,15 @@ class EntitlementLimits:
     # first come first served): None takes the class's default (`ClassTraits.queue_max`, `queue_max_wait_ms`).
     queue_max: int | None = None
     queue_max_wait_ms: float | None = None
+    # Spillover (issue 24): a request the entitlement's own limits would make wait or refuse runs at once as
+    # this lower class on idle capacity, where there is any (`tier_limits`). None: no spillover.
+    spillover_class: ServiceClass | str | None = None
+    # Set on the limits of an entitlement's lower tier (`tier_limits`): the entitlement it serves.
+    tier_of: str = ""
     # Derived once here because every decision needs them.
     _traits: ClassTraits = field(init=False, repr=False, compare=False)
     _tier: str = field(init=False, repr=False, compare=False)
+    _tiers: dict[ServiceClass, EntitlementLimits] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not str(self.entitlement_id):
@@ -174,12 +187,41 @@ class EntitlementLimits:
                 raise PolicyConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.slo_tier is not None:
             object.__setattr__(self, "slo_tier", effective_slo_tier(self.service_class, self.slo_tier))
+        if self.spillover_class is not None:
+            spillover = ServiceClass.parse(self.spillover_class)
+            if self.service_class not in SPILLOVER_FROM:
+                raise PolicyConfigError(f"a {self.service_class} entitlement cannot spill over (only dedicated, "
+                                        "guaranteed and elastic ones can)")
+            if not spillover.is_lower_than(self.service_class):
+                lower = ", ".join(c.value for c in SPILLOVER_TO if c.is_lower_than(self.service_class))
+                raise PolicyConfigError(f"spillover_class {spillover.value!r} is not lower than "
+                                        f"{str(self.service_class)!r}; expected one of {lower}")
+            object.__setattr__(self, "spillover_class", spillover)
         object.__setattr__(self, "_traits", ServiceClass.parse(self.service_class).traits)
         object.__setattr__(self, "_tier", effective_slo_tier(self.service_class, self.slo_tier))
+        object.__setattr__(self, "_tiers", {})
 
     @property
     def traits(self) -> ClassTraits:
         return self._traits
+
+    def tier_limits(self, service_class: ServiceClass | str) -> EntitlementLimits:
+        """The limits this entitlement's requests run under when served as the lower `service_class`
+        (spilled over, or demoted by a used-up quota): an entitlement of their own, `<id>@<class>`, with that
+        class's base weight and SLO tier and no reservation, own limits or queue of its own, so they borrow
+        idle capacity only and never take anyone's reservation (preemptible ones are evicted as any are)."""
+        target = ServiceClass.parse(service_class)
+        tier = self._tiers.get(target)
+        if tier is None:
+            tier = self._tiers[target] = EntitlementLimits(
+                entitlement_id=f"{self.entitlement_id}@{target.value}", service_class=target,
+                tokens_per_second=None, kv_bytes=0.0, concurrency=0, slo_target_ms=self.slo_target_ms,
+                token_bucket_seconds=self.token_bucket_seconds, default_max_tokens=self.default_max_tokens,
+                context_window=self.context_window, kv_bytes_per_token=self.kv_bytes_per_token,
+                state=self.state, tenant_id=self.tenant_id, queue_max=0, queue_max_wait_ms=0.0,
+                tier_of=self.entitlement_id,
+            )
+        return tier
 
     @property
     def bucket_capacity(self) -> float | None:
@@ -308,6 +350,8 @@ class AdmissionDecision(NamedTuple):
     borrowed: bool = False
     slo_tier: str = ""
     check: int = 0
+    # The class the request runs as when lower than its entitlement's (spilled over, demoted); "": its own.
+    served_class: str = ""
 
     @property
     def own_queue(self) -> bool:

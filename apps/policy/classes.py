@@ -115,6 +115,14 @@ class ServiceClass(enum.StrEnum):
     def label(self) -> str:
         return self.value.capitalize()
 
+    @property
+    def rank(self) -> int:
+        """0 for dedicated, the highest tier, down to 4 for preemptible (the order of Table 1)."""
+        return CLASS_ORDER.index(self)
+
+    def is_lower_than(self, other: ServiceClass | str) -> bool:
+        return self.rank > ServiceClass.parse(other).rank
+
     @classmethod
     def parse(cls, value: ServiceClass | str) -> ServiceClass:
         if isinstance(value, ServiceClass):
@@ -125,6 +133,13 @@ class ServiceClass(enum.StrEnum):
             known = ", ".join(member.value for member in cls)
             raise PolicyConfigError(f"unknown service class {value!r}; expected one of {known}") from None
 
+
+# Highest tier first (seed 000, Table 1): a request may be served at a lower tier than its entitlement's
+# (spillover, quota demotion: issue 24), never a higher one.
+CLASS_ORDER: tuple[ServiceClass, ...] = tuple(ServiceClass)
+# The classes that may name a spillover class, and the classes a request may spill over or be demoted to.
+SPILLOVER_FROM = frozenset({ServiceClass.DEDICATED, ServiceClass.GUARANTEED, ServiceClass.ELASTIC})
+SPILLOVER_TO = (ServiceClass.ELASTIC, ServiceClass.SPOT, ServiceClass.PREEMPTIBLE)
 
 CLASS_TRAITS: dict[ServiceClass, ClassTraits] = {
     # base weight, baseline, may burst, shrink, default SLO tier, DRR weight, queue max, queue max wait (ms)

@@ -80,6 +80,9 @@ class QuotaCharge:
     input_weight: float = 1.0
     output_weight: float = 1.0
     unit: str = "tokens"  # or a currency code
+    # What a used-up quota does (issue 24): "reject" (429 quota_exceeded) or "spot" (served as spot until the
+    # window resets; those tokens are not charged to this quota).
+    on_exceeded: str = "reject"
 
     def cost(self, input_tokens: float, output_tokens: float) -> float:
         return input_tokens * self.input_weight + output_tokens * self.output_weight
@@ -99,12 +102,13 @@ class QuotaRule:
     unit: str = "tokens"
     seed_window_id: str = ""
     seed_used: float = 0.0
+    on_exceeded: str = "reject"
 
     def charge_at(self, now: dt.datetime) -> QuotaCharge:
         window_id, reset = quota_window_of(self.window, self.timezone, now)
         seed = self.seed_used if window_id == self.seed_window_id else 0.0
         return QuotaCharge(self.key, self.limit, window_id, reset.timestamp(), seed, self.input_weight,
-                           self.output_weight, self.unit)
+                           self.output_weight, self.unit, self.on_exceeded)
 
 
 @dataclass(frozen=True, slots=True)
