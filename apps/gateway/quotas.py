@@ -71,7 +71,7 @@ class QuotaRules:
         used = quota_used(tenant_id=tenant_id, entitlement=entitlement, since=since,
                           weights_by_entitlement=weights_by_entitlement)
         return QuotaRule(key, _limit(owner), owner.quota_window, owner.quota_timezone, weights[0], weights[1],
-                         weights[2], window_id, used)
+                         weights[2], window_id, used, owner.quota_on_exceeded or "reject")
 
     def for_entitlement(self, ent: Any) -> tuple[QuotaRule, ...]:
         rules: list[QuotaRule] = []
@@ -91,7 +91,8 @@ class QuotaRules:
                 weights = _weights(tenant, ent.pool)
                 if weights is not None:
                     rules.append(QuotaRule(shared.key, shared.limit, shared.window, shared.timezone, weights[0],
-                                           weights[1], weights[2], shared.seed_window_id, shared.seed_used))
+                                           weights[1], weights[2], shared.seed_window_id, shared.seed_used,
+                                           shared.on_exceeded))
         return tuple(rules)
 
     def tenant_rule(self, tenant: Any, pool: Any) -> QuotaRule | None:

@@ -121,6 +121,7 @@ def entitlement_limits(
         # The entitlement's own queue; None (blank) takes the service class's default in the policy.
         queue_max=ent.queue_max,
         queue_max_wait_ms=None if ent.queue_max_wait_ms is None else float(ent.queue_max_wait_ms),
+        spillover_class=ent.spillover_class or None,
     )
 
 
@@ -161,6 +162,8 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
                 if ServiceClass.parse(e.service_class).traits.reserved
             ),
             entitlements=tuple(limits_by_name[pool.name].values()),
+            backend_kind=pool.backend_kind,
+            objectives=tuple(sorted((str(k), str(v)) for k, v in (pool.inference_objectives or {}).items())),
         )
     keys: dict[str, KeyEntry] = {}
     quota_rules = QuotaRules(dt.datetime.now(dt.UTC))

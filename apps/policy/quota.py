@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo
 
 QUOTA_WINDOWS = ("hour", "day", "month")
+# What a used-up quota does: refuse, or serve the entitlement as spot until the window resets (issue 24).
+QUOTA_ON_EXCEEDED = ("reject", "spot")
 # A reservation may overshoot a limit by float dust only (money is priced in fractions of a cent).
 EPSILON = 1e-9
 

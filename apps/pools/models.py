@@ -6,6 +6,7 @@ Capacity has three dimensions (seed 000, section 3.1): concurrency (decode slots
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -18,8 +19,12 @@ from django.utils import timezone
 
 from apps.policy import CLASS_TRAITS, ServiceClass
 from apps.policy.admission import MAX_QUEUE_WAIT_MS
-from apps.policy.classes import Baseline, Shrink
+from apps.policy.classes import SPILLOVER_FROM, SPILLOVER_TO, Baseline, Shrink
+from apps.policy.errors import PolicyConfigError
 from apps.tenancy.quota import CURRENCY, QuotaFields
+
+# A Kubernetes object name (RFC 1123 subdomain): what an InferenceObjective may be called.
+K8S_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 GIB = 1024**3
 # The one answer to a taken entitlement name, whichever tenant holds it (TokenEntitlement.unique_error_message).
@@ -78,6 +83,9 @@ class BackendKind(models.TextChoices):
     VLLM = "vllm", "vLLM"
     ENGINE = "engine", "tokenpools engine"
     VIRTUAL = "virtual", "virtual (simulated vLLM)"
+    # An llm-d inference gateway (Gateway API Inference Extension) in front of an InferencePool: handed the
+    # tenant as fairness id and the served class's InferenceObjective on every request (issue 24).
+    LLM_D = "llm-d", "llm-d inference gateway"
 
 
 class TokenPool(models.Model):
@@ -113,6 +121,9 @@ class TokenPool(models.Model):
     price_output_per_million = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True,
                                                    validators=[MinValueValidator(Decimal(0))])
     price_currency = models.CharField(max_length=3, blank=True, default="")
+    # For an llm-d backend: the InferenceObjective name of each served class ({"guaranteed": "NAME"}); a class
+    # left out gets `tokenpools-<class>` (apps.gateway.snapshot.PoolInfo.objective_for).
+    inference_objectives = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["name"]
@@ -133,6 +144,9 @@ class TokenPool(models.Model):
                                                       "tokens and a currency"]})
         if self.price_currency and not CURRENCY.match(self.price_currency):
             raise ValidationError({"price_currency": ["three capital letters (ISO 4217), e.g. USD"]})
+        objectives_error = inference_objectives_error(self.inference_objectives)
+        if objectives_error:
+            raise ValidationError({"inference_objectives": [objectives_error]})
 
     @property
     def kv_cache_bytes_per_replica(self) -> int:
@@ -242,6 +256,10 @@ class TokenEntitlement(QuotaFields, models.Model):
     queue_max_wait_ms = models.PositiveIntegerField(null=True, blank=True, validators=[
         MinValueValidator(0, message=QUEUE_WAIT_MESSAGE),
         MaxValueValidator(QUEUE_WAIT_MAX_MS, message=QUEUE_WAIT_MESSAGE)])
+    # A lower class its requests run as, at once, on idle capacity, when its own limits would make them wait
+    # or refuse them (issue 24); blank: none.
+    spillover_class = models.CharField(max_length=16, blank=True, default="",
+                                       choices=[(c.value, c.value) for c in SPILLOVER_TO])
     expires_at = models.DateTimeField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=EntitlementState.choices, default=EntitlementState.PENDING)
     state_reason = models.CharField(max_length=500, blank=True, default="")
@@ -298,6 +316,12 @@ class TokenEntitlement(QuotaFields, models.Model):
     def is_past_expiry(self, now: datetime | None = None) -> bool:
         return self.expires_at is not None and self.expires_at <= (now or timezone.now())
 
+    def clean(self) -> None:
+        super().clean()
+        error = spillover_error(self.service_class, self.spillover_class)
+        if error:
+            raise ValidationError({"spillover_class": [error]})
+
     def effective_state(self, now: datetime | None = None) -> str:
         """The stored state, except Expired as soon as ``expires_at`` has passed (before the tick runs)."""
         return str(EntitlementState.EXPIRED) if self.is_past_expiry(now) else str(self.state)
@@ -317,3 +341,39 @@ class EntitlementStateChange(models.Model):
 
     def __str__(self) -> str:
         return f"{self.entitlement_id}: {self.from_state or '-'} -> {self.to_state} ({self.reason})"
+
+
+def spillover_error(service_class: str, spillover_class: str) -> str | None:
+    """Why `spillover_class` cannot be the spillover of a `service_class` entitlement (None: it can)."""
+    if not spillover_class:
+        return None
+    try:
+        target = ServiceClass.parse(spillover_class)
+    except PolicyConfigError:
+        return f"unknown class {spillover_class!r}; expected one of {', '.join(c.value for c in SPILLOVER_TO)}"
+    try:
+        own = ServiceClass.parse(service_class)
+    except PolicyConfigError:
+        return None  # the service class's own error says it
+    if own not in SPILLOVER_FROM:
+        return f"a {own.value} entitlement cannot spill over (only dedicated, guaranteed and elastic ones can)"
+    if not target.is_lower_than(own):
+        lower = ", ".join(c.value for c in SPILLOVER_TO if c.is_lower_than(own))
+        return f"{target.value!r} is not lower than {own.value!r}; expected one of {lower}"
+    return None
+
+
+def inference_objectives_error(objectives: Any) -> str | None:
+    """Why a pool's InferenceObjective map is invalid (None: it is valid): {class: Kubernetes name}."""
+    if objectives in (None, ""):
+        return None
+    if not isinstance(objectives, dict):
+        return "a map of service class to InferenceObjective name, e.g. {\"guaranteed\": \"premium\"}"
+    known = ", ".join(c.value for c in ServiceClass)
+    for name, objective in objectives.items():
+        if str(name) not in {c.value for c in ServiceClass}:
+            return f"unknown service class {name!r}; expected one of {known}"
+        if not isinstance(objective, str) or not K8S_NAME.match(objective):
+            return (f"{objective!r} (for {name}) is not a Kubernetes object name: lower-case letters, digits and "
+                    "'-', at most 253 characters, starting and ending with a letter or digit")
+    return None

@@ -16,7 +16,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
-from apps.policy.quota import QUOTA_WINDOWS
+from apps.policy.quota import QUOTA_ON_EXCEEDED, QUOTA_WINDOWS
 
 CURRENCY = re.compile(r"^[A-Z]{3}$")
 
@@ -40,6 +40,9 @@ class QuotaFields(models.Model):
                                     choices=[(w, w) for w in QUOTA_WINDOWS])
     # Blank means UTC (forms that leave it out stay valid).
     quota_timezone = models.CharField(max_length=64, default="UTC", blank=True)
+    # What a used-up quota does: refuse (429 quota_exceeded) or serve as spot until the window resets (issue 24).
+    quota_on_exceeded = models.CharField(max_length=8, default="reject", blank=True,
+                                         choices=[(v, v) for v in QUOTA_ON_EXCEEDED])
 
     class Meta:
         abstract = True
