@@ -78,7 +78,8 @@ class MemoryStateStore(GatewayStateStore):
             started += ledger.upsert_entitlement(limits, now)
         for name in list(ledger.entitlement_ids()):
             old = ledger.limits(name)
-            if name not in present and old is not None and old.state is not EntitlementState.EXPIRED:
+            if (name not in present and old is not None and old.state is not EntitlementState.EXPIRED
+                    and not old.tier_of):  # a tier is reached through its entitlement only (apps.policy.tiers)
                 # Gone from the pool (deleted, moved): its running requests finish, nothing new is admitted.
                 started += ledger.upsert_entitlement(replace(old, state=EntitlementState.EXPIRED), now)
         self._synced[pool.name] = pool

@@ -80,6 +80,7 @@ from apps.policy.queues import (
     queued_decision,
 )
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
+from apps.policy.tiers import DEMOTED_CLASS, demotion_claim, served_as, spills, tier_pool
 from apps.policy.window import WindowFigures, WindowReading, window_reading
 
 logger = logging.getLogger(__name__)
@@ -333,21 +334,14 @@ class RedisStateStore(GatewayStateStore):
     ) -> Offer:
         verdict = None if quota is None else await self._quota_reserve(quota)
         if verdict is not None and quota is not None and not verdict.admitted:
+            demoted = demotion_claim(quota, verdict)
+            if demoted is not None:
+                return await self._offer_demoted(limits, pool, request, saturation, demoted, verdict)
             decision = quota_refusal(verdict, quota)
             if verdict.standing is None:  # the request id holds a reservation already
                 decision = decision._replace(reason=Reason.INVALID_REQUEST.value, retry_after_s=0.0)
             return Offer(decision, None, RateView(), REJECTED, quota=verdict.standing)
-        lock = self._pool_locks.get(pool.name)
-        if lock is None:
-            lock = self._pool_locks[pool.name] = asyncio.Lock()
-        try:
-            async with lock:
-                offer = await self._offer(limits, pool, request, saturation)
-        except BaseException:
-            if quota is not None:  # nothing was admitted: the reservation comes back (if Redis answers)
-                with contextlib.suppress(StateStoreUnavailable):
-                    await self._quota_settle(quota.scope, request.request_id, 0, 0)
-            raise
+        offer = await self._offer_settling(limits, pool, request, saturation, quota)
         if quota is None or verdict is None:
             return offer
         if offer.state == REJECTED:
@@ -358,6 +352,39 @@ class RedisStateStore(GatewayStateStore):
         if reservation is not None:
             reservation.quota_scope = quota.scope
         return replace(offer, quota=verdict.standing)
+
+    async def _offer_settling(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
+                              saturation: float, quota: QuotaClaim | None, demote: bool = False) -> Offer:
+        """The offer, one at a time per pool in this process; a failure gives the quota's reservation back."""
+        lock = self._pool_locks.get(pool.name)
+        if lock is None:
+            lock = self._pool_locks[pool.name] = asyncio.Lock()
+        try:
+            async with lock:
+                return await self._offer(limits, pool, request, saturation, demote)
+        except BaseException:
+            if quota is not None:  # nothing was admitted: the reservation comes back (if Redis answers)
+                with contextlib.suppress(StateStoreUnavailable):
+                    await self._quota_settle(quota.scope, request.request_id, 0, 0)
+            raise
+
+    async def _offer_demoted(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
+                             saturation: float, claim: QuotaClaim, exhausted: QuotaVerdict) -> Offer:
+        """A used-up quota that says `on_exceeded: spot`: the request is offered under the entitlement's spot
+        tier, holding its share of the quotas that say `reject` (AdmissionLedger._request_demoted)."""
+        if limits.state is not EntitlementState.BOUND:
+            return await self._offer_settling(limits, pool, request, saturation, None)
+        held = claim if claim.charges else None
+        if held is not None:
+            verdict = await self._quota_reserve(held)
+            if not verdict.admitted:
+                return Offer(quota_refusal(verdict, held), None, RateView(), REJECTED, quota=verdict.standing)
+        offer = await self._offer_settling(limits, pool, request, saturation, held, demote=True)
+        if held is not None and offer.state == REJECTED:
+            await self._quota_settle(held.scope, request.request_id, 0, 0)
+        if offer.reservation is not None:
+            offer.reservation.quota_scope = None if held is None else held.scope
+        return replace(offer, quota=exhausted.standing)
 
     # --- quotas (one hash per tenant: apps/gateway/lua/quota_*.lua) ------------------------------------
 
@@ -402,17 +429,46 @@ class RedisStateStore(GatewayStateStore):
         raw = await self._call("quota_read", [self._quota_key(scope)], args)
         return [QuotaStanding(charge, _float(raw[2 * i]), _float(raw[2 * i + 1])) for i, charge in enumerate(charges)]
 
+    async def _tier_decision(self, tier: EntitlementLimits, owner: EntitlementLimits, owner_usage: EntitlementUsage,
+                             version: str, pool: PoolInfo, request: AdmissionRequest,
+                             saturation: float) -> AdmissionDecision | None:
+        """`admit`'s decision for a request offered under its entitlement's tier (`apps.policy.tiers`), or None
+        when the pool changed since the entitlement's own snapshot (`version`)."""
+        usage, pool_usage, tier_version, _, _ = await self._snapshot(tier, pool, saturation)
+        if tier_version != version:
+            return None
+        return served_as(admit(tier, usage, tier_pool(pool_usage, owner, owner_usage), request, self.config), tier)
+
     async def _offer(
         self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float,
+        demote: bool = False,
     ) -> Offer:
         signature, pairs = _reserved_args(pool)
-        capacity, rate = _bucket_args(limits)
+        owner = limits
         for attempt in range(MAX_ATTEMPTS):
+            limits = owner
             usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(limits, pool, saturation)
-            decision = admit(limits, usage, pool_usage, request, self.config)
+            tier: EntitlementLimits | None = None
+            if demote:
+                tier = owner.tier_limits(DEMOTED_CLASS)
+            else:
+                decision = admit(limits, usage, pool_usage, request, self.config)
+                if spills(limits, decision, queue_length):
+                    assert limits.spillover_class is not None
+                    tier = limits.tier_limits(limits.spillover_class)
+            if tier is not None:
+                # Offered as the lower class (AdmissionLedger._spillover, _request_demoted): decided on the same
+                # version of the pool as the entitlement's own decision, or read again.
+                tier_decision = await self._tier_decision(tier, owner, usage, version, pool, request, saturation)
+                if tier_decision is None:
+                    await asyncio.sleep(random.uniform(0, min(CAS_BACKOFF_CAP_S, CAS_BACKOFF_S * 2**attempt)))
+                    continue
+                if demote or tier_decision.admitted:
+                    limits, decision = tier, tier_decision
+            capacity, rate = _bucket_args(limits)
             mode = RUNNING if decision.admitted else WAITING
-            route = own_queue_route(limits, decision, queue_length)
-            if route is not None or (not decision.admitted and not decision.queued
+            route = None if limits.tier_of else own_queue_route(limits, decision, queue_length)
+            if route is not None or (not limits.tier_of and not decision.admitted and not decision.queued
                                      and decision.retryable and decision.reason in OWN_LIMIT_REASONS):
                 retry_s = own_retry_s(decision, oldest_start, self._clock_now(), self.config.expected_service_s)
                 if route is None or route == FULL:
@@ -436,7 +492,10 @@ class RedisStateStore(GatewayStateStore):
                  self._queue_arg(limits), *pairs],
             )
             if int(raw[0]) == 1:
-                return self._committed(limits, pool, request, decision, raw)
+                offer = self._committed(limits, pool, request, decision, raw)
+                if limits is not owner:  # spilled over: the headers speak of the entitlement's own limits
+                    offer = replace(offer, view=rate_view(owner, usage.in_flight, usage.tokens_available))
+                return offer
             # Another process took room in between: decide again on fresh state, after a jittered wait that
             # doubles with each try, so two processes admitting in step do not keep colliding.
             await asyncio.sleep(random.uniform(0, min(CAS_BACKOFF_CAP_S, CAS_BACKOFF_S * 2**attempt)))

@@ -27,6 +27,7 @@ from apps.policy import (
     AdmissionRequest,
     EntitlementLimits,
     EntitlementUsage,
+    ServiceClass,
 )
 from apps.policy.admission import DEFAULT_ADMISSION_CONFIG
 from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
@@ -134,11 +135,15 @@ def rate_view(limits: EntitlementLimits, in_flight: int, tokens_available: float
 
 def reservation_for(limits: EntitlementLimits, pool: str, request: AdmissionRequest,
                     decision: AdmissionDecision, quota: QuotaClaim | None = None) -> Reservation:
+    # A request served at a lower tier (spilled over, demoted: apps.policy.tiers) is that class's: a preemptible
+    # one may be evicted.
+    served = ServiceClass.parse(decision.served_class) if decision.served_class else limits.service_class
+    assert isinstance(served, ServiceClass)
     return Reservation(
         request_id=request.request_id, entitlement=limits.entitlement_id, pool=pool,
         token_cost=decision.token_cost, kv_bytes=decision.kv_bytes, priority=decision.priority,
-        max_tokens=decision.max_tokens, input_tokens=request.input_tokens, evictable=limits.traits.evictable,
-        quota_scope=None if quota is None else quota.scope, service_tier=str(limits.service_class),
+        max_tokens=decision.max_tokens, input_tokens=request.input_tokens, evictable=served.traits.evictable,
+        quota_scope=None if quota is None else quota.scope, service_tier=served.value,
     )
 
 

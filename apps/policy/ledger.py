@@ -73,6 +73,7 @@ from apps.policy.queues import (
     within_own_limits,
 )
 from apps.policy.quota import QuotaBook, QuotaClaim, QuotaVerdict
+from apps.policy.tiers import DEMOTED_CLASS, demotion_claim, served_as, spills, tier_pool
 from apps.policy.window import MIN_TICK_WINDOW_S, WindowReading, window_reading
 
 OUTCOME_REJECTED = "rejected"
@@ -321,7 +322,8 @@ class AdmissionLedger:
     def _refresh_mean_slo(self) -> None:
         if self._fixed_mean_slo_ms is not None:
             return
-        targets = [record.limits.slo_target_ms for record in self._entitlements.values()]
+        # An entitlement's tiers (`tier_limits`) are not entitlements of the pool: they carry their owner's SLO.
+        targets = [record.limits.slo_target_ms for record in self._entitlements.values() if not record.limits.tier_of]
         self._mean_slo_ms = sum(targets) / len(targets) if targets else 1000.0
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -423,11 +425,19 @@ class AdmissionLedger:
                 None, AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
                                         retryable=False, check=0)
             )
-        decision = admit(record.limits, self.usage(entitlement_id, now), self.pool_usage(), request, self.config)
+        pool = self.pool_usage() if not record.limits.tier_of else self._tier_pool(record.limits, now)
+        decision = admit(record.limits, self.usage(entitlement_id, now), pool, request, self.config)
         if record.queue or not (decision.admitted or decision.queued):  # the common admission skips the queue
-            route = own_queue_route(record.limits, decision, len(record.queue))
-            if route is not None:
-                return self._enqueue(record, request, decision, now, full=route == FULL)
+            if record.limits.tier_of:
+                decision = served_as(decision, record.limits)
+            elif spills(record.limits, decision, len(record.queue)):
+                record, decision = self._spillover(record, request, decision, now)
+            if not record.limits.tier_of:
+                route = own_queue_route(record.limits, decision, len(record.queue))
+                if route is not None:
+                    return self._enqueue(record, request, decision, now, full=route == FULL)
+        elif record.limits.tier_of:
+            decision = served_as(decision, record.limits)
         if not decision.admitted and not decision.queued:
             if decision.retryable and decision.reason in OWN_LIMIT_REASONS:
                 decision = decision._replace(retry_after_s=self._own_retry_s(record, decision, now))
@@ -455,6 +465,34 @@ class AdmissionLedger:
             evicted, started = self._evict_for(entry, now)
         started.extend(self._drain(now))
         return LedgerResult(decision, started=tuple(started), evicted=tuple(evicted))
+
+    def _spillover(self, record: EntitlementRecord, request: AdmissionRequest, decision: AdmissionDecision,
+                   now: float) -> tuple[EntitlementRecord, AdmissionDecision]:
+        """The entitlement's spillover tier and its decision when that tier starts the request at once; else the
+        entitlement and its own decision (its queue, or its refusal). `apps.policy.tiers`."""
+        spillover = record.limits.spillover_class
+        assert spillover is not None
+        tier = self._tier(record.limits.tier_limits(spillover), now)
+        tier_id = tier.limits.entitlement_id
+        spilled = admit(tier.limits, self.usage(tier_id, now), self._tier_pool(tier.limits, now), request,
+                        self.config)
+        if not spilled.admitted:
+            return record, decision
+        return tier, served_as(spilled, tier.limits)
+
+    def _tier_pool(self, limits: EntitlementLimits, now: float) -> PoolUsage:
+        owner = self._entitlements.get(limits.tier_of)
+        if owner is None:
+            return self.pool_usage()
+        return tier_pool(self.pool_usage(), owner.limits, self.usage(limits.tier_of, now))
+
+    def _tier(self, limits: EntitlementLimits, now: float) -> EntitlementRecord:
+        """The record of an entitlement's tier (`EntitlementLimits.tier_limits`), kept in step with its limits."""
+        record = self._entitlements.get(limits.entitlement_id)
+        if record is None or record.limits != limits:
+            self.upsert_entitlement(limits, now)
+            record = self._entitlements[limits.entitlement_id]
+        return record
 
     @staticmethod
     def _charge(entry: RequestRecord, now: float) -> None:
@@ -508,6 +546,9 @@ class AdmissionLedger:
             return self.request(entitlement_id, request, now, limits)  # rejected as a duplicate, quota untouched
         verdict = self.quotas.reserve(quota, now)
         if not verdict.admitted:
+            demoted = demotion_claim(quota, verdict)
+            if demoted is not None:
+                return self._request_demoted(entitlement_id, request, now, limits, demoted, verdict)
             self.counters.offered += 1
             rejected = self._rejected(None, quota_refusal(verdict, quota))
             return LedgerResult(rejected.decision, quota=verdict)
@@ -516,6 +557,30 @@ class AdmissionLedger:
             self.quotas.refund(request.request_id)
             verdict = self.quotas.verdict(quota)
         return LedgerResult(result.decision, result.started, result.evicted, verdict)
+
+    def _request_demoted(self, entitlement_id: str, request: AdmissionRequest, now: float,
+                         limits: EntitlementLimits | None, claim: QuotaClaim, exhausted: QuotaVerdict) -> LedgerResult:
+        """A request whose used-up quota says `on_exceeded: spot`: offered under the entitlement's spot tier,
+        holding its share of the quotas that say `reject` (which may still refuse it). Its quota standing is
+        the used-up quota's (`apps.policy.tiers`)."""
+        record = self._entitlements.get(entitlement_id)
+        if limits is not None and (record is None or limits != record.limits):
+            self.upsert_entitlement(limits, now)
+        parent = limits if limits is not None else None if record is None else record.limits
+        if parent is None or parent.state is not EntitlementState.BOUND:
+            return self.request(entitlement_id, request, now, limits)  # refused by check 1, quota untouched
+        if claim.charges:
+            held = self.quotas.reserve(claim, now)
+            if not held.admitted:
+                self.counters.offered += 1
+                rejected = self._rejected(None, quota_refusal(held, claim))
+                return LedgerResult(rejected.decision, quota=held)
+        tier = parent.tier_limits(DEMOTED_CLASS)
+        self._tier(tier, now)
+        result = self.request(tier.entitlement_id, request, now, tier)
+        if claim.charges and not (result.decision.admitted or result.decision.queued):
+            self.quotas.refund(request.request_id)
+        return LedgerResult(result.decision, result.started, result.evicted, exhausted)
 
     def release(
         self, request_id: str, now: float, output_tokens: float | None = None, prompt_tokens: float | None = None
@@ -850,6 +915,11 @@ class AdmissionLedger:
         readings: dict[str, WindowReading] = {}
         for key, record in self._entitlements.items():
             record.accumulate(now)
+            if record.limits.tier_of:
+                # A tier has no baseline or share of its own to owe or exceed: its debt and burst stay nil (the
+                # Redis store ticks the snapshot's entitlements, which tiers are not).
+                record.window.reset()
+                continue
             reading = window_reading(
                 record.window.figures(), record.limits, record.dynamics, elapsed,
                 expected_service_s=self.config.expected_service_s, config=self.dynamics_config,

@@ -58,7 +58,8 @@ def pool_info(scenario: Scenario, entitlements: tuple[EntitlementLimits, ...]) -
 def decision_figures(decision: AdmissionDecision) -> dict[str, Any]:
     return {"reason": decision.reason, "check": decision.check, "priority": decision.priority,
             "retry_after_s": decision.retry_after_s, "max_tokens": decision.max_tokens,
-            "token_cost": decision.token_cost, "kv_bytes": decision.kv_bytes, "evict": decision.evict}
+            "token_cost": decision.token_cost, "kv_bytes": decision.kv_bytes, "evict": decision.evict,
+            "served_class": decision.served_class}
 
 
 def offered(step: Offer) -> AdmissionRequest:

@@ -46,6 +46,8 @@ class Offer:
     # The client's llm-d hints (x-llm-d-slo-ttft-ms, x-llm-d-inference-objective): they may only relax.
     slo_ms: float | None = None
     tier: str | None = None
+    # The class it is served as when lower than its entitlement's (spilled over, demoted); "": its own.
+    served: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,8 @@ class Scenario:
     check: Callable[[list[dict[str, Any]]], None] | None = field(default=None, compare=False)
 
 
-def quota(key: str, limit: float, seed: float = 0.0, **weights: float) -> QuotaCharge:
-    return QuotaCharge(key, limit, "w1", reset_at=3600.0, seed_used=seed, **weights)
+def quota(key: str, limit: float, seed: float = 0.0, on_exceeded: str = "reject", **weights: float) -> QuotaCharge:
+    return QuotaCharge(key, limit, "w1", reset_at=3600.0, seed_used=seed, on_exceeded=on_exceeded, **weights)
 
 
 def ent(name: str, service_class: str, **fields: Any) -> EntitlementLimits:
@@ -172,6 +174,98 @@ def _debt_rises_then_decays(trace: list[dict[str, Any]]) -> None:
     assert 0 < rising[0] < rising[1] < rising[2], debts
     assert falling[0] < rising[2] and all(b < a for a, b in zip(falling, falling[1:], strict=False)), debts
     assert falling[-1] < 0.5 * rising[2], debts
+
+
+# Serving at a lower tier (issue 24, apps.policy.tiers): spillover and quota demotion.
+TIER_SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "spillover: over its own concurrency a request runs at once as spot on idle capacity, never on another's "
+        "reservation; with no idle room it waits in its own queue",
+        Pool(slots=5),
+        (ent("chat", "guaranteed", concurrency=1, queue_max=2, queue_max_wait_ms=5000.0, spillover_class="spot"),
+         ent("other", "guaranteed", concurrency=2)),
+        (
+            Offer("a", "chat", expect="running", served=""),
+            Offer("b", "chat", expect="running", served="spot"),
+            Offer("c", "chat", expect="running", served="spot"),
+            Usage("chat", in_flight=1, running=1),
+            # 3 running and other's 2 idle reserved slots: no idle room to spill into, so the own queue
+            Offer("d", "chat", expect="waiting", reason="queued", served=""),
+            Offer("o1", "other", expect="running"),
+            Offer("o2", "other", expect="running"),
+            Complete("b", output=5, started=()),
+            # a release of the spot tier frees room, not the entitlement's concurrency: d waits for a
+            State("d", expect="waiting"),
+            Complete("a", output=5, started=("d",)),
+            Offer("e", "chat", expect="running", served="spot"),
+            Complete("c", output=5),
+            Complete("d", output=5),
+            Complete("e", output=5),
+            Complete("o1", output=5),
+            Complete("o2", output=5),
+            Usage("chat", in_flight=0, running=0),
+        ),
+    ),
+    Scenario(
+        "spillover: to preemptible on its token bucket's refusal; a higher tier evicts the spilled request",
+        Pool(slots=2),
+        (ent("rated", "elastic", tokens_per_second=1.0, token_bucket_seconds=30.0, concurrency=2,
+             spillover_class="preemptible"),
+         ent("chat", "guaranteed", concurrency=1)),
+        (
+            Offer("r1", "rated", 10, 20, expect="running", served=""),
+            Offer("r2", "rated", 10, 20, expect="running", served="preemptible"),
+            Offer("g1", "chat", expect="running", evicted=("r2",)),
+            Complete("r2", output=2, expect="unknown"),  # its eviction released it already
+            Complete("r1", output=5),
+            Complete("g1", output=5),
+        ),
+    ),
+    Scenario(
+        "quota demotion: a used-up quota that says spot serves as spot (charged to none of its spot quotas), "
+        "a quota that says reject still refuses",
+        Pool(slots=4),
+        (ent("chat", "guaranteed", concurrency=4),),
+        (
+            Offer("r1", "chat", 10, 20, expect="running", served=""),
+            Offer("r2", "chat", 10, 20, expect="running", served=""),
+            QuotaState("entitlement:chat", used=0.0, reserved=60.0),
+            Offer("r3", "chat", 10, 20, expect="running", served="spot"),
+            QuotaState("entitlement:chat", used=0.0, reserved=60.0),
+            QuotaState("tenant", used=0.0, reserved=90.0),
+            Offer("r4", "chat", 10, 20, expect="running", served="spot"),
+            Usage("chat", in_flight=2, running=2),
+            # the tenant's quota (reject) has no room left for a fifth: refused whatever the tier
+            Offer("r5", "chat", 10, 20, expect="rejected", reason="quota_exceeded"),
+            Complete("r3", output=5),
+            QuotaState("entitlement:chat", used=0.0, reserved=60.0),
+            QuotaState("tenant", used=15.0, reserved=90.0),
+            Complete("r1", output=5),
+            Complete("r2", output=5),
+            Complete("r4", output=5),
+            QuotaState("entitlement:chat", used=30.0, reserved=0.0),
+            NewWindow("w2"),
+            Offer("r6", "chat", 10, 20, expect="running", served=""),
+            Complete("r6", output=5),
+        ),
+        quotas=(("chat", (quota("entitlement:chat", 60.0, on_exceeded="spot"), quota("tenant", 130.0))),),
+    ),
+    Scenario(
+        "quota demotion: a demoted request that finds no idle room is refused as the pool's contention",
+        Pool(slots=2),
+        (ent("chat", "guaranteed", concurrency=1), ent("other", "guaranteed", concurrency=1)),
+        (
+            Offer("r1", "chat", 10, 20, expect="running"),
+            Offer("r2", "chat", 10, 20, expect="rejected", reason="pool_contended", served="spot"),
+            QuotaState("entitlement:chat", used=0.0, reserved=30.0),
+            Complete("r1", output=5),
+            Offer("r3", "chat", 10, 20, expect="running", served="spot"),
+            Complete("r3", output=5),
+            QuotaState("entitlement:chat", used=15.0, reserved=0.0),
+        ),
+        quotas=(("chat", (quota("entitlement:chat", 40.0, on_exceeded="spot"),)),),
+    ),
+)
 
 
 QUEUE_SCENARIOS: tuple[Scenario, ...] = (
@@ -631,4 +725,5 @@ SCENARIOS: tuple[Scenario, ...] = (
         quota_lease_s=2.0,
     ),
     *QUEUE_SCENARIOS,
+    *TIER_SCENARIOS,
 )

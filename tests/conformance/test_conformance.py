@@ -20,7 +20,7 @@ pytestmark = pytest.mark.conformance
 EXPECTED_FIELDS = {"expect": ("state", "outcome", "expired"), "reason": ("reason",), "started": ("started",),
                    "evicted": ("evicted",), "in_flight": ("in_flight",), "running": ("running",),
                    "tokens": ("tokens",), "used": ("used",), "reserved": ("reserved",),
-                   "reaped": ("reaped",)}
+                   "reaped": ("reaped",), "served": ("served_class",)}
 
 
 async def _trace(driver: Any, scenario: Scenario) -> list[dict[str, Any]]:
