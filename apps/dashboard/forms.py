@@ -73,6 +73,11 @@ def _quota_form_fields() -> dict[str, forms.Field]:
                                            help_text="Instead of tokens: priced at the pool's prices."),
         "quota_currency": forms.CharField(max_length=3, required=False, label="Quota currency"),
         "quota_timezone": forms.CharField(max_length=64, required=False, initial="UTC", label="Quota timezone"),
+        "quota_on_exceeded": forms.ChoiceField(
+            choices=[("reject", "reject"), ("spot", "serve as spot")], required=False, initial="reject",
+            label="When the quota is used up",
+            help_text="reject: 429 quota_exceeded until the window resets; spot: its requests are served as spot "
+            "until the window resets."),
     }
 
 
@@ -91,6 +96,7 @@ class TenantForm(forms.Form):
     quota_amount = QUOTA_FORM_FIELDS["quota_amount"]
     quota_currency = QUOTA_FORM_FIELDS["quota_currency"]
     quota_timezone = QUOTA_FORM_FIELDS["quota_timezone"]
+    quota_on_exceeded = QUOTA_FORM_FIELDS["quota_on_exceeded"]
 
 
 class MembershipForm(forms.Form):
@@ -118,6 +124,11 @@ class PoolForm(forms.Form):
         widget=forms.Textarea(attrs={"rows": 4, "placeholder": "http://10.0.0.5:8000\nhttp://10.0.0.6:8000 disabled"}),
         help_text="One backend URL per line; add ' disabled' after a URL to keep it out of capacity.",
     )
+    inference_objectives = forms.CharField(
+        required=False, label="InferenceObjectives (llm-d)",
+        widget=forms.Textarea(attrs={"rows": 3, "placeholder": "guaranteed: premium\nspot: batch"}),
+        help_text="For an llm-d backend: one 'class: InferenceObjective name' per line; a class left out gets "
+        "tokenpools-<class>.")
 
     def __init__(self, *args: Any, editing: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,6 +147,24 @@ class PoolForm(forms.Form):
             replicas.append({"url": parts[0], "enabled": len(parts) == 1})
         return replicas
 
+    def clean_inference_objectives(self) -> dict[str, str]:
+        """'class: name' lines -> {class: name}; which classes and names are valid is the model's rule."""
+        objectives: dict[str, str] = {}
+        for line in self.cleaned_data.get("inference_objectives", "").splitlines():
+            if not line.strip():
+                continue
+            service_class, sep, name = line.partition(":")
+            if not sep or not service_class.strip() or not name.strip():
+                raise ValidationError(f"cannot read {line.strip()[:80]!r}: write 'class: InferenceObjective name'")
+            if service_class.strip() in objectives:
+                raise ValidationError(f"{service_class.strip()[:40]!r} is listed twice")
+            objectives[service_class.strip()] = name.strip()
+        return objectives
+
+    @staticmethod
+    def objectives_as_text(pool: TokenPool) -> str:
+        return "\n".join(f"{cls}: {name}" for cls, name in sorted((pool.inference_objectives or {}).items()))
+
     @staticmethod
     def replicas_as_text(pool: TokenPool) -> str:
         replicas = Replica.objects.filter(pool=pool).order_by("position", "id")
@@ -143,8 +172,10 @@ class PoolForm(forms.Form):
 
     @classmethod
     def initial_for(cls, pool: TokenPool) -> dict[str, Any]:
-        initial: dict[str, Any] = {name: getattr(pool, name) for name in cls.base_fields if name != "replicas"}
+        text_fields = ("replicas", "inference_objectives")
+        initial: dict[str, Any] = {name: getattr(pool, name) for name in cls.base_fields if name not in text_fields}
         initial["replicas"] = cls.replicas_as_text(pool)
+        initial["inference_objectives"] = cls.objectives_as_text(pool)
         return initial
 
 
@@ -169,12 +200,20 @@ class EntitlementForm(forms.Form):
         min_value=0, max_value=QUEUE_WAIT_MAX_MS, required=False, label="Queue wait (ms)",
         error_messages={"min_value": QUEUE_WAIT_MESSAGE, "max_value": QUEUE_WAIT_MESSAGE},
         help_text=f"How long each may wait, up to {QUEUE_WAIT_MAX_MS} ms (10 minutes). Blank: the class default.")
+    # Any class here; which ones an entitlement may name is the model's rule (spillover_error), shown on the field.
+    spillover_class = forms.ChoiceField(
+        choices=[("", "none"), *[(c.value, c.value) for c in ServiceClass]], required=False,
+        label="Spillover class",
+        help_text="A lower class (elastic, spot or preemptible) its requests are served as, at once, on idle "
+        "capacity, when its own limits would make them wait or refuse them. Only dedicated, guaranteed and "
+        "elastic entitlements spill over.")
     expires_at = _expires_field()
     quota_window = QUOTA_FORM_FIELDS["quota_window"]
     quota_tokens = QUOTA_FORM_FIELDS["quota_tokens"]
     quota_amount = QUOTA_FORM_FIELDS["quota_amount"]
     quota_currency = QUOTA_FORM_FIELDS["quota_currency"]
     quota_timezone = QUOTA_FORM_FIELDS["quota_timezone"]
+    quota_on_exceeded = QUOTA_FORM_FIELDS["quota_on_exceeded"]
 
     def __init__(
         self,

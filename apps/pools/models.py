@@ -316,11 +316,20 @@ class TokenEntitlement(QuotaFields, models.Model):
     def is_past_expiry(self, now: datetime | None = None) -> bool:
         return self.expires_at is not None and self.expires_at <= (now or timezone.now())
 
+    # spillover_class's choices are checked by spillover_error, whose message says which classes may be named.
+    CHECKED_IN_CLEAN = (*QuotaFields.CHECKED_IN_CLEAN, "spillover_class")
+
     def clean(self) -> None:
-        super().clean()
+        errors: dict[str, Any] = {}
+        try:
+            super().clean()
+        except ValidationError as exc:  # the quota's errors, reported with the spillover's
+            errors = exc.update_error_dict(errors)
         error = spillover_error(self.service_class, self.spillover_class)
         if error:
-            raise ValidationError({"spillover_class": [error]})
+            errors["spillover_class"] = [error]
+        if errors:
+            raise ValidationError(errors)
 
     def effective_state(self, now: datetime | None = None) -> str:
         """The stored state, except Expired as soon as ``expires_at`` has passed (before the tick runs)."""

@@ -23,6 +23,7 @@ from apps.pools.models import (
 from apps.pools.selectors import pool_usage
 from apps.tenancy.models import Tenant
 from apps.tenancy.selectors import tenant_list
+from apps.tenancy.serializers import quota_on_exceeded_field
 
 
 def _capacity_dict(cap: Capacity) -> dict[str, Any]:
@@ -57,6 +58,11 @@ class PoolSerializer(serializers.ModelSerializer):
 
     backend_kind = serializers.ChoiceField(choices=BackendKind.choices, default=BackendKind.VLLM)
     replicas = ReplicaSerializer(many=True, required=False)
+    # Checked by the model (one message for the API, the form and apply): classes known, names Kubernetes names.
+    inference_objectives = serializers.JSONField(
+        required=False,
+        help_text="for an llm-d backend: the InferenceObjective name of each served class, e.g. "
+        '{"guaranteed": "premium"}; a class left out gets tokenpools-<class>')
     kv_cache_gib_per_replica = serializers.DecimalField(max_digits=12, decimal_places=3)
     bytes_per_token = serializers.IntegerField(read_only=True, help_text="c = 2 * layers * kv_heads * head_dim * bytes")
     kv_cache_bytes_per_replica = serializers.IntegerField(read_only=True)
@@ -75,7 +81,8 @@ class PoolSerializer(serializers.ModelSerializer):
             "name", "model_name", "backend_kind", "replicas", "min_replicas", "max_replicas",
             "slots_per_replica", "tokens_per_second_per_replica", "kv_cache_gib_per_replica",
             "kv_cache_bytes_per_replica", "kv_layers", "kv_heads", "head_dim", "bytes_per_element",
-            "bytes_per_token", "price_input_per_million", "price_output_per_million", "price_currency", "usage",
+            "bytes_per_token", "price_input_per_million", "price_output_per_million", "price_currency",
+            "inference_objectives", "usage",
             "measured_capacity", "desired_replicas", "desired_replicas_reason", "desired_replicas_at", "created_at",
             "updated_at",
         ]
@@ -132,6 +139,13 @@ class EntitlementSerializer(serializers.ModelSerializer):
         required=False, allow_null=True,
         help_text=f"how long each may wait, 0 to {QUEUE_WAIT_MAX_MS} ms (10 minutes); null: the service class's "
         "default")
+    # Plain strings: the model's rules answer (which classes, lower than the entitlement's own; reject or spot).
+    spillover_class = serializers.CharField(
+        required=False, allow_blank=True,
+        help_text="a lower class (elastic, spot or preemptible) its requests are served as, at once, on idle "
+        "capacity, when its own limits would make them wait or refuse them; only for dedicated, guaranteed and "
+        "elastic entitlements; blank: none")
+    quota_on_exceeded = quota_on_exceeded_field()
     queue_effective = serializers.SerializerMethodField(
         help_text="the queue the entitlement gets, with the class's defaults where queue_max or queue_max_wait_ms "
         "is null")
@@ -145,8 +159,9 @@ class EntitlementSerializer(serializers.ModelSerializer):
         fields = [
             "name", "tenant", "pool", "service_class", "weight", "slo_target_ms", "tokens_per_second",
             "kv_cache_gib", "concurrency", "default_max_tokens", "queue_max", "queue_max_wait_ms", "queue_effective",
-            "expires_at", "quota_tokens",
-            "quota_amount", "quota_currency", "quota_window", "quota_timezone", "state", "state_reason",
+            "spillover_class", "expires_at", "quota_tokens",
+            "quota_amount", "quota_currency", "quota_window", "quota_timezone", "quota_on_exceeded", "state",
+            "state_reason",
             "state_changed_at", "created_at", "updated_at",
         ]
         read_only_fields = ["state", "state_reason", "state_changed_at", "created_at", "updated_at"]

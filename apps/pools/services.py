@@ -66,8 +66,10 @@ POOL_FIELDS = (
     "price_input_per_million",
     "price_output_per_million",
     "price_currency",
+    "inference_objectives",
 )
-QUOTA_FIELDS = ("quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone")
+QUOTA_FIELDS = ("quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone",
+                "quota_on_exceeded")
 ENTITLEMENT_FIELDS = (
     "pool",
     "service_class",
@@ -78,6 +80,7 @@ ENTITLEMENT_FIELDS = (
     "default_max_tokens",
     "queue_max",
     "queue_max_wait_ms",
+    "spillover_class",
     "expires_at",
     *QUOTA_FIELDS,
 )
@@ -287,6 +290,7 @@ def pool_create(
     price_input_per_million: Decimal | None = None,
     price_output_per_million: Decimal | None = None,
     price_currency: str = "",
+    inference_objectives: dict[str, str] | None = None,
 ) -> TokenPool:
     """Create a pool with its replicas (each ``{"url": ..., "enabled": bool}``); superusers only."""
     require_superuser(actor, "manage pools")
@@ -308,6 +312,7 @@ def pool_create(
         price_input_per_million=price_input_per_million,
         price_output_per_million=price_output_per_million,
         price_currency=price_currency,
+        inference_objectives=inference_objectives or {},
         created_at=now,
         updated_at=now,
     )
@@ -427,6 +432,7 @@ def entitlement_create(
     default_max_tokens: int | None = None,
     queue_max: int | None = None,
     queue_max_wait_ms: int | None = None,
+    spillover_class: str = "",
     expires_at: datetime | None = None,
     now: datetime | None = None,
     **quota: Any,
@@ -455,6 +461,7 @@ def entitlement_create(
         default_max_tokens=default_max_tokens,
         queue_max=queue_max,
         queue_max_wait_ms=queue_max_wait_ms,
+        spillover_class=spillover_class,
         expires_at=expires_at,
         state=EntitlementState.PENDING,
         state_reason="created",

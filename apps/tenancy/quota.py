@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from django.core.exceptions import ValidationError
@@ -47,6 +48,13 @@ class QuotaFields(models.Model):
     class Meta:
         abstract = True
 
+    # Fields whose value `clean()` checks with its own message (naming the values it takes) instead of the
+    # choices check's "Value 'x' is not a valid choice." (which would say the same twice).
+    CHECKED_IN_CLEAN: tuple[str, ...] = ("quota_on_exceeded",)
+
+    def clean_fields(self, exclude: Any = None) -> None:
+        super().clean_fields(exclude={*(exclude or ()), *self.CHECKED_IN_CLEAN})
+
     @property
     def has_quota(self) -> bool:
         return bool(self.quota_window) and (self.quota_tokens is not None or self.quota_amount is not None)
@@ -58,10 +66,25 @@ class QuotaFields(models.Model):
     def clean(self) -> None:
         super().clean()
         self.quota_timezone = self.quota_timezone or "UTC"
+        self.quota_on_exceeded = self.quota_on_exceeded or "reject"
         errors = quota_errors(tokens=self.quota_tokens, amount=self.quota_amount, currency=self.quota_currency,
                               window=self.quota_window, tz=self.quota_timezone)
+        on_exceeded = on_exceeded_error(self.quota_on_exceeded)
+        if not on_exceeded and self.quota_on_exceeded != "reject" and not (
+                self.quota_window or self.quota_tokens is not None or self.quota_amount is not None):
+            on_exceeded = f"{self.quota_on_exceeded} applies to a quota: give quota_tokens or quota_amount and a window"
+        if on_exceeded:
+            errors["quota_on_exceeded"] = [on_exceeded]
         if errors:
             raise ValidationError(errors)
+
+
+def on_exceeded_error(value: Any) -> str | None:
+    """Why `value` is not what a used-up quota does (None: it is one of QUOTA_ON_EXCEEDED)."""
+    if value in QUOTA_ON_EXCEEDED:
+        return None
+    return (f"unknown value {str(value)[:40]!r}; expected reject (refuse with 429 quota_exceeded, the default) or "
+            "spot (serve as spot until the window resets)")
 
 
 def quota_errors(*, tokens: int | None, amount: Decimal | None, currency: str, window: str,

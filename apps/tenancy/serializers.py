@@ -19,13 +19,23 @@ def request_user(serializer: serializers.Serializer) -> Any:
     return getattr(request, "user", None)
 
 
+def quota_on_exceeded_field() -> serializers.CharField:
+    """`quota_on_exceeded` of a tenant or an entitlement: a plain string the model checks (its message names the
+    values), so the API, the form and apply say the same."""
+    return serializers.CharField(
+        required=False, allow_blank=True,
+        help_text="what a used-up quota does: reject (429 quota_exceeded until the window resets, the default) or "
+        "spot (the entitlement's requests are served as spot until the window resets)")
+
+
 class TenantSerializer(serializers.ModelSerializer):
     my_role = serializers.SerializerMethodField(help_text="the requesting user's role: owner, member (or null)")
+    quota_on_exceeded = quota_on_exceeded_field()
 
     class Meta:
         model = Tenant
         fields = ["slug", "name", "my_role", "quota_tokens", "quota_amount", "quota_currency", "quota_window",
-                  "quota_timezone", "created_at"]
+                  "quota_timezone", "quota_on_exceeded", "created_at"]
         read_only_fields = ["created_at"]
         extra_kwargs: dict[str, dict[str, Any]] = {"slug": {"validators": []}}  # the service checks uniqueness, in its transaction
 

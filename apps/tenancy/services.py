@@ -41,7 +41,8 @@ def _full_clean(obj: Any, exclude: list[str] | None = None) -> None:
 # --- tenants -----------------------------------------------------------------------------------------
 
 
-TENANT_QUOTA_FIELDS = ("quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone")
+TENANT_QUOTA_FIELDS = ("quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone",
+                       "quota_on_exceeded")
 
 
 def _unknown_quota_fields(quota: dict[str, Any]) -> None:

@@ -3,8 +3,9 @@
 ``apiVersion: tokenpools.io/v1alpha1``. The entitlement is the seed's section 4.2 shape (``tenantId`` is
 a tenant slug) plus optional ``spec.expiresAt``, ``spec.limits.defaultMaxTokens``, ``spec.qos.queue``
 ({max, maxWaitMs}: the entitlement's own queue, each absent for the class default; ``spec.limits.queueMax``
-is still read as ``max``'s old name) and ``spec.quota`` ({tokens | amount + currency, window:
-hour|day|month, timezone}). A ``Tenant`` declares the tenant itself (``apps.pools.manifests.tenants``). The
+is still read as ``max``'s old name), ``spec.qos.spillover`` (elastic|spot|preemptible: a lower class the
+overflow is served as; from dedicated, guaranteed or elastic only) and ``spec.quota`` ({tokens | amount +
+currency, window: hour|day|month, timezone, onExceeded: reject|spot}; tenants' quotas too). A ``Tenant`` declares the tenant itself (``apps.pools.manifests.tenants``). The
 pool extends the seed's shape so that capacity (and, optionally, prices per million tokens) is declared::
 
     kind: TokenPool
@@ -12,6 +13,9 @@ pool extends the seed's shape so that capacity (and, optionally, prices per mill
     spec:
       model: Qwen/Qwen3-8B
       backend: {kind: vllm, replicas: [{url: "http://127.0.0.1:8001", enabled: true}]}
+      # or an llm-d inference gateway, with the InferenceObjective of each served class (default
+      # tokenpools-<class>; `manage.py export --inference-objectives POOL` writes them):
+      # backend: {kind: llm-d, replicas: [{url: "http://gateway"}], objectives: {guaranteed: premium}}
       scaling: {minReplicas: 1, maxReplicas: 10}
       capacityPerReplica: {slots: 16, tokensPerSecond: 240, kvCacheGiB: 20}
       kvGeometry: {layers: 36, kvHeads: 8, headDim: 128, bytesPerElement: 2}

@@ -30,6 +30,8 @@ def pool_to_manifest(pool: TokenPool) -> dict[str, Any]:
             "backend": {
                 "kind": pool.backend_kind,
                 "replicas": [{"url": r.url, "enabled": r.enabled} for r in pool.replicas.order_by("position", "id")],
+                **({"objectives": dict(sorted(pool.inference_objectives.items()))} if pool.inference_objectives
+                   else {}),
             },
             "scaling": {"minReplicas": pool.min_replicas, "maxReplicas": pool.max_replicas},
             "capacityPerReplica": {
@@ -62,7 +64,8 @@ def entitlement_to_manifest(ent: TokenEntitlement) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "tenantId": ent.tenant.slug,
         "poolRef": {"name": ent.pool.name},
-        "qos": {"serviceClass": ent.service_class, "sloTargetMs": ent.slo_target_ms, **_queue(ent)},
+        "qos": {"serviceClass": ent.service_class, "sloTargetMs": ent.slo_target_ms, **_queue(ent),
+                **({"spillover": ent.spillover_class} if ent.spillover_class else {})},
         "resources": {
             "tokensPerSecond": ent.tokens_per_second,
             "kvCacheGiB": _number(ent.kv_cache_gib),

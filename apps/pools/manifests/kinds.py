@@ -10,15 +10,16 @@ from apps.policy import ServiceClass
 from apps.policy.quota import QUOTA_WINDOWS
 from apps.pools.manifests.limits import excerpt
 from apps.pools.manifests.reader import Reader, model_errors
-from apps.pools.models import QUEUE_WAIT_MAX_MS, BackendKind
+from apps.pools.models import K8S_NAME, QUEUE_WAIT_MAX_MS, BackendKind, spillover_error
 from apps.pools.services import _clean_replicas
 from apps.tenancy.models import Role
+from apps.tenancy.quota import on_exceeded_error
 
 
 def read_quota(r: Reader) -> dict[str, Any]:
     """`spec.quota` ({tokens | amount + currency, window, timezone}) as the quota fields; absent: none."""
     none: dict[str, Any] = {"quota_tokens": None, "quota_amount": None, "quota_currency": "", "quota_window": "",
-                            "quota_timezone": "UTC"}
+                            "quota_timezone": "UTC", "quota_on_exceeded": "reject"}
     if r.get("spec.quota") is None:
         return none
     tokens = r.integer("spec.quota.tokens", required=False)
@@ -28,7 +29,12 @@ def read_quota(r: Reader) -> dict[str, Any]:
         r._fail("spec.quota.window", f"unknown window {excerpt(window)}; one of {', '.join(QUOTA_WINDOWS)}")
     if r.get("spec.quota.tokens") is None and r.get("spec.quota.amount") is None:
         r._fail("spec.quota", "needs tokens, or an amount and a currency")
-    return {"quota_tokens": tokens, "quota_amount": amount,
+    # What a used-up quota does: reject (the default) or spot (served as spot until the window resets).
+    on_exceeded = r.string("spec.quota.onExceeded", required=False, default="reject")
+    problem = None if on_exceeded is None else on_exceeded_error(on_exceeded)
+    if problem:
+        r._fail("spec.quota.onExceeded", problem)
+    return {"quota_on_exceeded": on_exceeded or "reject", "quota_tokens": tokens, "quota_amount": amount,
             "quota_currency": r.string("spec.quota.currency", required=False, default="") or "",
             "quota_window": window or "", "quota_timezone": r.string("spec.quota.timezone", required=False,
                                                                      default="UTC") or "UTC"}
@@ -97,8 +103,33 @@ def read_pool(r: Reader) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "head_dim": r.integer("spec.kvGeometry.headDim"),
         "bytes_per_element": r.integer("spec.kvGeometry.bytesPerElement", required=False, default=2),
         **read_pricing(r),
+        "inference_objectives": read_objectives(r),
     }
     return values, replicas
+
+
+def read_objectives(r: Reader) -> dict[str, str]:
+    """`spec.backend.objectives`: the InferenceObjective name of each served class ({guaranteed: NAME}) handed
+    to an llm-d backend; a class left out gets `tokenpools-<class>`. Absent: {}."""
+    raw = r.get("spec.backend.objectives")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        r._fail("spec.backend.objectives", f"must be a mapping of service class to InferenceObjective name, got "
+                f"{excerpt(raw)}")
+        return {}
+    known = [str(cls) for cls in ServiceClass]
+    objectives: dict[str, str] = {}
+    for name, objective in raw.items():
+        where = f"spec.backend.objectives.{name}"
+        if name not in known:
+            r._fail(where, f"unknown service class {excerpt(name)}; one of {', '.join(known)}")
+        elif not isinstance(objective, str) or not K8S_NAME.match(objective):
+            r._fail(where, f"{excerpt(objective)} is not a Kubernetes object name: lower-case letters, digits, '-' "
+                    "and '.', at most 253 characters, starting and ending with a letter or digit")
+        else:
+            objectives[name] = objective
+    return objectives
 
 
 def read_queue(r: Reader) -> dict[str, Any]:
@@ -113,6 +144,23 @@ def read_queue(r: Reader) -> dict[str, Any]:
         r._fail("spec.qos.queue.maxWaitMs", f"must be at most {QUEUE_WAIT_MAX_MS} (10 minutes), got {wait}")
         wait = None
     return {"queue_max": old if size is None else size, "queue_max_wait_ms": wait}
+
+
+def read_spillover(r: Reader, service_class: str | None) -> str:
+    """`spec.qos.spillover`: the lower class the entitlement's overflow is served as (elastic, spot or
+    preemptible; only from dedicated, guaranteed or elastic). Absent: none ("")."""
+    spillover = r.string("spec.qos.spillover", required=False, default="") or ""
+    if not spillover:
+        return ""
+    # An unknown class, a class that is not lower, or an entitlement that may not spill over (the model's
+    # rule, one message for apply, REST and the form); an unknown serviceClass has its own error.
+    if spillover not in {str(cls) for cls in ServiceClass}:  # quoted short: the author's text
+        r._fail("spec.qos.spillover", f"unknown class {excerpt(spillover)}; one of elastic, spot, preemptible")
+        return ""
+    problem = spillover_error(service_class or "", spillover)
+    if problem:
+        r._fail("spec.qos.spillover", problem)
+    return spillover
 
 
 def read_entitlement(r: Reader) -> dict[str, Any]:
@@ -130,6 +178,7 @@ def read_entitlement(r: Reader) -> dict[str, Any]:
         "concurrency": r.integer("spec.resources.concurrency"),
         "default_max_tokens": r.integer("spec.limits.defaultMaxTokens", required=False),
         **read_queue(r),
+        "spillover_class": read_spillover(r, service_class if service_class in known else None),
         "expires_at": r.timestamp("spec.expiresAt"),
         **read_quota(r),
     }

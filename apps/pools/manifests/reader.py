@@ -23,7 +23,7 @@ KINDS = ("Tenant", "TokenPool", "TokenEntitlement")
 # Unknown fields are errors, like Kubernetes' strict field validation: a typo must not be ignored silently.
 ANY = object()
 _METADATA = {"name": None, "labels": ANY, "annotations": ANY}
-_QUOTA = {"tokens": None, "amount": None, "currency": None, "window": None, "timezone": None}
+_QUOTA = {"tokens": None, "amount": None, "currency": None, "window": None, "timezone": None, "onExceeded": None}
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Tenant": {
         "apiVersion": None,
@@ -37,7 +37,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "metadata": _METADATA,
         "spec": {
             "model": None,
-            "backend": {"kind": None, "replicas": [{"url": None, "enabled": None}]},
+            # objectives: {class: InferenceObjective name} for an llm-d backend (checked by read_objectives).
+            "backend": {"kind": None, "replicas": [{"url": None, "enabled": None}], "objectives": ANY},
             "scaling": {"minReplicas": None, "maxReplicas": None},
             "capacityPerReplica": {"slots": None, "tokensPerSecond": None, "kvCacheGiB": None},
             "kvGeometry": {"layers": None, "kvHeads": None, "headDim": None, "bytesPerElement": None},
@@ -51,7 +52,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "spec": {
             "tenantId": None,
             "poolRef": {"name": None},
-            "qos": {"serviceClass": None, "sloTargetMs": None, "queue": {"max": None, "maxWaitMs": None}},
+            "qos": {"serviceClass": None, "sloTargetMs": None, "queue": {"max": None, "maxWaitMs": None},
+                    "spillover": None},
             "resources": {"tokensPerSecond": None, "kvCacheGiB": None, "concurrency": None},
             "limits": {"defaultMaxTokens": None, "queueMax": None},  # queueMax: spec.qos.queue.max's old name
             "quota": _QUOTA,
@@ -98,6 +100,7 @@ POOL_PATHS = {
     "price_input_per_million": "spec.pricing.inputPerMillion",
     "price_output_per_million": "spec.pricing.outputPerMillion",
     "price_currency": "spec.pricing.currency",
+    "inference_objectives": "spec.backend.objectives",
 }
 QUOTA_PATHS = {
     "quota_tokens": "spec.quota.tokens",
@@ -105,6 +108,7 @@ QUOTA_PATHS = {
     "quota_currency": "spec.quota.currency",
     "quota_window": "spec.quota.window",
     "quota_timezone": "spec.quota.timezone",
+    "quota_on_exceeded": "spec.quota.onExceeded",
 }
 TENANT_PATHS = {"slug": "metadata.name", "name": "spec.displayName", **QUOTA_PATHS}
 ENTITLEMENT_PATHS = {
@@ -119,6 +123,7 @@ ENTITLEMENT_PATHS = {
     "default_max_tokens": "spec.limits.defaultMaxTokens",
     "queue_max": "spec.qos.queue.max",
     "queue_max_wait_ms": "spec.qos.queue.maxWaitMs",
+    "spillover_class": "spec.qos.spillover",
     "expires_at": "spec.expiresAt",
     **QUOTA_PATHS,
 }

@@ -7,6 +7,7 @@ pools and entitlements, exported first.
       displayName: Acme Corp
       members: [{user: alice, role: owner}]     # existing users; the list is declarative when given
       quota: {tokens: 5000000, window: month}   # or {amount: 50, currency: USD, window: month}
+                                                # onExceeded: spot serves the tenant as spot once used up
 
 Creating a tenant or changing its name or quota needs a platform operator (superuser); an owner may apply
 their tenant's document when only its members change (as they may in the UI).
@@ -32,7 +33,8 @@ from apps.tenancy import services as tenancy_services
 from apps.tenancy.models import Membership, Tenant
 from apps.tenancy.selectors import tenant_list, user_role
 
-SETTINGS = ("name", "quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone")
+SETTINGS = ("name", "quota_tokens", "quota_amount", "quota_currency", "quota_window", "quota_timezone",
+            "quota_on_exceeded")
 
 
 def tenant_settings(tenant: Tenant) -> dict[str, Any]:
@@ -140,4 +142,6 @@ def quota_to_manifest(owner: Any) -> dict[str, Any]:
     quota["window"] = owner.quota_window
     if owner.quota_timezone and owner.quota_timezone != "UTC":
         quota["timezone"] = owner.quota_timezone
+    if owner.quota_on_exceeded and owner.quota_on_exceeded != "reject":  # reject: the default, left out
+        quota["onExceeded"] = owner.quota_on_exceeded
     return quota
