@@ -24,7 +24,7 @@ from apps.policy.blis import AdmissionStage, BlisRequest, ClusterView, TenantBud
 from apps.policy.errors import PolicyConfigError
 from apps.policy.ledger import AdmissionLedger
 from apps.policy.priority import Dynamics, DynamicsConfig
-from apps.policy.quota import QUOTA_WINDOWS, QuotaClaim, QuotaRule
+from apps.policy.quota import QUOTA_ON_EXCEEDED, QUOTA_WINDOWS, QuotaClaim, QuotaRule
 from apps.policy.saturation import InstanceSnapshot, pool_saturation
 from apps.simulator.cluster import ADMIT_NOW, Cluster, GateDecision, HoldNothing
 from apps.simulator.workload import TenantSpec
@@ -89,8 +89,8 @@ SIM_EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
 def quota_rules(tenant: TenantSpec) -> tuple[QuotaRule, ...]:
-    """`entitlement.quota: {tokens: N, window: hour|day|month, timezone: ...}`, as the gateway enforces it
-    (money quotas need pool prices, which scenarios do not have)."""
+    """`entitlement.quota: {tokens: N, window: hour|day|month, timezone: ..., on_exceeded: reject|spot}`, as the
+    gateway enforces it (money quotas need pool prices, which scenarios do not have)."""
     quota = tenant.entitlement.get("quota")
     if quota is None:
         return ()
@@ -99,8 +99,12 @@ def quota_rules(tenant: TenantSpec) -> tuple[QuotaRule, ...]:
     if quota.get("window") not in QUOTA_WINDOWS:
         raise PolicyConfigError(f"tenant {tenant.name!r}: entitlement.quota.window must be one of "
                                 f"{', '.join(QUOTA_WINDOWS)}")
+    on_exceeded = quota.get("on_exceeded", "reject")
+    if on_exceeded not in QUOTA_ON_EXCEEDED:
+        raise PolicyConfigError(f"tenant {tenant.name!r}: entitlement.quota.on_exceeded must be one of "
+                                f"{', '.join(QUOTA_ON_EXCEEDED)}")
     return (QuotaRule(f"entitlement:{tenant.name}", float(quota["tokens"]), quota["window"],
-                      str(quota.get("timezone", "UTC"))),)
+                      str(quota.get("timezone", "UTC")), on_exceeded=on_exceeded),)
 
 
 def entitlement_limits(tenant: TenantSpec) -> EntitlementLimits:
@@ -272,17 +276,18 @@ class TokenPoolsAdmission:
                 self.cluster.evict(victim, "evicted")
                 # As the gateway does once the victim's stream is cut: settles its quota, if any.
                 self.ledger.release(evicted, now, victim.generated)
+        served = decision.served_class or str(self.limits[request.tenant].service_class)
         if decision.admitted:
             self.live[key] = request
             self._collect(tuple(s for s in result.started if s != key))
-            return GateDecision("admit", decision.reason, priority=decision.priority)
+            return GateDecision("admit", decision.reason, priority=decision.priority, served_class=served)
         if decision.queued:
             self.held[key] = request
             if decision.own_queue:
                 self.own_held.add(key)
             self._collect(result.started)
             self._schedule_wake()
-            return GateDecision("queue", decision.reason, priority=decision.priority)
+            return GateDecision("queue", decision.reason, priority=decision.priority, served_class=served)
         # Non-retryable rejections carry no Retry-After; the client falls back to its own backoff.
         retry = decision.retry_after_s if decision.retryable else None
         return GateDecision("reject", decision.reason, retry_after_s=retry)

@@ -25,6 +25,8 @@ class GateDecision:
     reason: str = ""
     retry_after_s: float | None = None
     priority: float = 0.0
+    # The class it is served as: its entitlement's, or lower (spilled over, demoted); "": the policy has none.
+    served_class: str = ""
 
 
 ADMIT_NOW = GateDecision("admit")
@@ -95,6 +97,8 @@ class TenantStats:
     e2e: list[float] = field(default_factory=list)
     queue_wait: list[float] = field(default_factory=list)
     denials: Counter[str] = field(default_factory=Counter)
+    # Completed requests by the class that served them (issue 24: spillover, quota demotion).
+    served_by_tier: Counter[str] = field(default_factory=Counter)
     # Requests lost after admission (queue timeouts, evictions), by reason.
     lost_by_reason: Counter[str] = field(default_factory=Counter)
 
@@ -194,6 +198,7 @@ class Cluster:
         tenant.in_flight += 1
         request.admitted_at = self.loop.time
         request.priority = decision.priority
+        request.served_class = decision.served_class
         self._emit("admitted", request)
         if decision.outcome == "admit":
             self._dispatch(request)
@@ -252,6 +257,8 @@ class Cluster:
         stats.completed += 1
         tenant = stats.tenants[request.tenant]
         tenant.completed += 1
+        if request.served_class:
+            tenant.served_by_tier[request.served_class] += 1
         tenant.in_flight -= 1
         tenant.running -= 1
         tenant.output_tokens += request.output_tokens

@@ -21,6 +21,7 @@ import itertools
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,8 @@ class LiveRecord:
     retry_after_s: float | None = None
     # What the gateway says the request waited in its queue (x-tokenpools-queue-ms; None: no header).
     queue_s: float | None = None
+    # The class that served it (x-tokenpools-service-tier; "": no header).
+    tier: str = ""
 
 
 @dataclass
@@ -248,7 +251,7 @@ class LiveWorkload:
                     if '"usage"' in line and '"completion_tokens"' in line:
                         tokens = _completion_tokens(line)
                 return LiveRecord(name, sent_at, 200, "", ttft, time.monotonic() - started, tokens, attempt,
-                                  queue_s=queued)
+                                  queue_s=queued, tier=response.headers.get("x-tokenpools-service-tier", ""))
         except httpx.HTTPError as error:
             return LiveRecord(name, sent_at, 0, type(error).__name__, attempt=attempt)
 
@@ -318,14 +321,18 @@ def live_entitlement(tenant: TenantSpec, *, pool: str, owner: str) -> dict[str, 
     for name in ("queue_max", "queue_max_wait_ms"):
         if spec.get(name) is not None:
             body[name] = int(spec[name])
+    if spec.get("spillover_class"):
+        body["spillover_class"] = str(spec["spillover_class"])
     return body
 
 
 def _manifest_queue(body: dict[str, Any]) -> str:
-    """`spec.qos.queue` of an entitlement's manifest, from its REST body ('' when the class's default)."""
+    """`spec.qos.queue` and `spec.qos.spillover` of an entitlement's manifest, from its REST body ('' when the
+    class's defaults)."""
     fields = [f"{key}: {body[name]}" for name, key in (("queue_max", "max"), ("queue_max_wait_ms", "maxWaitMs"))
               if name in body]
-    return f", queue: {{{', '.join(fields)}}}" if fields else ""
+    spillover = f", spillover: {body['spillover_class']}" if "spillover_class" in body else ""
+    return (f", queue: {{{', '.join(fields)}}}" if fields else "") + spillover
 
 
 def scenario_site_env(tenants: list[TenantSpec]) -> dict[str, str]:
@@ -403,6 +410,7 @@ def summarize_live(records: list[LiveRecord], tenants: list[TenantSpec], horizon
             "queue_wait_p99_s": _round(percentile(waits, 99)),
             "queue_timeouts": denials.get("queue_timeout", 0),
             "denials": dict(sorted(denials.items())),
+            "served_by_tier": dict(sorted(Counter(r.tier for r in ok if r.tier).items())),
         }
     return per_tenant
 

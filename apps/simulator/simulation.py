@@ -256,6 +256,7 @@ def summarize(simulation: Simulation) -> dict[str, Any]:
             "queue_wait_p99_s": _round(percentile(tenant.queue_wait, 99)),
             "queue_timeouts": tenant.lost_by_reason.get("queue_timeout", 0),
             "denials": dict(sorted(tenant.denials.items())),
+            "served_by_tier": dict(sorted(tenant.served_by_tier.items())),
         }
     busy = 0.0
     slot_seconds = 0.0

@@ -60,6 +60,7 @@ class SimRequest:
         "priority",
         "slo_target_s",
         "outcome",
+        "served_class",
         "ticket",
         # per-run bookkeeping on the instance
         "run_prompt",
@@ -98,6 +99,8 @@ class SimRequest:
         self.priority = 0.0
         self.slo_target_s = slo_target_s
         self.outcome = ""
+        # The service class the gateway serves it as (the simulator's token-pools admission; "": not told).
+        self.served_class = ""
         self.ticket: Any = None
         self.run_prompt = 0
         self.start_step = 0

@@ -18,6 +18,11 @@ and *refused* (every 429 live, `queue_timeout` included; rejected plus queue tim
 within 10% plus one request. p99 TTFT within 25%; p99 queue wait (the gateway's `x-tokenpools-queue-ms`, the
 simulator's arrival-to-dispatch) within 25% plus 50 ms, a floor well under one decode step so that a wait the
 simulator puts at zero (spot-b never queues) may be a live handful of milliseconds.
+
+With spillover (issue 24), `seed000_spillover_agreement.yaml`: a guaranteed entitlement of 4 slots with 8
+closed-loop clients spills its extra requests to spot on idle capacity beside a barely used reservation and an
+open-loop spot tenant, on both stores; besides the counts above, the requests served per tier (the
+simulator's completions by tier, the client's 200s by `x-tokenpools-service-tier`) agree within 10% plus one.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ pytestmark = [pytest.mark.slow]
 
 SCENARIO = REPO / "apps/simulator/scenarios/seed000_exp1_agreement.yaml"
 QUEUE_SCENARIO = REPO / "apps/simulator/scenarios/seed000_queue_agreement.yaml"
+SPILLOVER_SCENARIO = REPO / "apps/simulator/scenarios/seed000_spillover_agreement.yaml"
 COUNT_TOLERANCE = 0.10
 TTFT_TOLERANCE = 0.25
 WAIT_TOLERANCE = 0.25
@@ -121,27 +127,26 @@ def _served_refused(sim: dict[str, Any]) -> tuple[int, int]:
     return int(sim["admitted"]) - timeouts, int(sim["rejected"]) + timeouts
 
 
-@pytest.mark.parametrize("store", ["memory", "redis"])
-def test_the_simulator_predicts_the_live_gateway_with_queues(store: str, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    scenario = load_scenario(QUEUE_SCENARIO)
+def _run_live(path: Path, store: str, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The scenario in virtual time, then live through the real site in front of the virtual vLLM on `store`
+    (the Redis one behind `serve --workers 2`, ticks from `run_ticks` as beat would): both summaries."""
+    scenario = load_scenario(path)
     config = scenario.config
     assert config.horizon_s is not None
     simulated = run_simulation(scenario, dict(scenario.admission)).summary()["tenants"]
-    assert simulated["guaranteed-q"]["queue_wait_p99_s"] > 1.0, "the scenario must make guaranteed-q wait"
-
     port = free_port()
     with contextlib.ExitStack() as stack:
         backend, _process = stack.enter_context(running_http_server(
             virtual_vllm_cmd(config, port, POOL), port=port, name="virtual-vllm", cwd=REPO, startup_timeout_s=60))
-        # The redis arm: the Redis store behind `serve --workers 2`, ticks from `run_ticks` (as beat would).
         redis_url = stack.enter_context(running_redis()) if store == "redis" else None
         records = run_arm("redis" if store == "redis" else "token-pools", scenario, Backend((backend,), POOL),
                           tmp_path / store, progress=False, redis_url=redis_url)
-    live = summarize_live(records, config.tenants, float(config.horizon_s))
+    return simulated, summarize_live(records, config.tenants, float(config.horizon_s))
 
+
+def _agreement_table(simulated: dict[str, Any], live: dict[str, Any]) -> list[str]:
     lines = [f"{'entitlement':<14} {'side':<5} {'served':>6} {'refused':>7} {'q-tmo':>5} {'wait p50':>8} "
-             f"{'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8}  denials"]
+             f"{'wait p99':>8} {'ttft p50':>8} {'ttft p99':>8}  denials; served by tier"]
     for name in sorted(simulated):
         sim_served, sim_refused = _served_refused(simulated[name])
         for side, figures, served, refused in (
@@ -149,10 +154,12 @@ def test_the_simulator_predicts_the_live_gateway_with_queues(store: str, tmp_pat
                 ("live", live[name], live[name]["admitted"], live[name]["rejected"])):
             lines.append(f"{name:<14} {side:<5} {served:>6} {refused:>7} {figures['queue_timeouts']:>5} "
                          f"{figures['queue_wait_p50_s'] or 0:>8.3f} {figures['queue_wait_p99_s'] or 0:>8.3f} "
-                         f"{figures['ttft_p50_s'] or 0:>8.3f} {figures['ttft_p99_s'] or 0:>8.3f}  {figures['denials']}")
-    with capsys.disabled():
-        print(f"\nsim-to-live agreement ({QUEUE_SCENARIO.name}, {store} store)\n" + "\n".join(lines))
+                         f"{figures['ttft_p50_s'] or 0:>8.3f} {figures['ttft_p99_s'] or 0:>8.3f}  "
+                         f"{figures['denials']}; {figures['served_by_tier']}")
+    return lines
 
+
+def _assert_agreement(simulated: dict[str, Any], live: dict[str, Any], *, tiers: bool = False) -> None:
     assert sum(figures["errors"] for figures in live.values()) == 0, live
     for name, sim in simulated.items():
         got = live[name]
@@ -163,3 +170,31 @@ def test_the_simulator_predicts_the_live_gateway_with_queues(store: str, tmp_pat
                                          ("queue_wait_p99_s", WAIT_TOLERANCE, WAIT_FLOOR_S)):
             assert sim[figure] is not None and got[figure] is not None, (name, figure)
             assert _close(got[figure], sim[figure], tolerance, floor), (name, figure, got[figure], sim[figure])
+        if tiers:
+            # The simulator counts completions by tier, the client the 200s by their x-tokenpools-service-tier.
+            for tier in set(sim["served_by_tier"]) | set(got["served_by_tier"]):
+                want, have = sim["served_by_tier"].get(tier, 0), got["served_by_tier"].get(tier, 0)
+                assert _close(have, want, COUNT_TOLERANCE, floor=1), (name, tier, have, want)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_the_simulator_predicts_the_live_gateway_with_queues(store: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    simulated, live = _run_live(QUEUE_SCENARIO, store, tmp_path)
+    assert simulated["guaranteed-q"]["queue_wait_p99_s"] > 1.0, "the scenario must make guaranteed-q wait"
+    with capsys.disabled():
+        print(f"\nsim-to-live agreement ({QUEUE_SCENARIO.name}, {store} store)\n"
+              + "\n".join(_agreement_table(simulated, live)))
+    _assert_agreement(simulated, live)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_the_simulator_predicts_the_live_gateway_with_spillover(store: str, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    simulated, live = _run_live(SPILLOVER_SCENARIO, store, tmp_path)
+    tiers = simulated["guaranteed-s"]["served_by_tier"]
+    assert tiers.get("spot", 0) > 10 and tiers.get("guaranteed", 0) > 10, "the scenario must spill over"
+    with capsys.disabled():
+        print(f"\nsim-to-live agreement ({SPILLOVER_SCENARIO.name}, {store} store)\n"
+              + "\n".join(_agreement_table(simulated, live)))
+    _assert_agreement(simulated, live, tiers=True)
