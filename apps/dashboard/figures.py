@@ -285,6 +285,10 @@ def _specs_kv(replicas: Sequence[str]) -> list[TraceSpec]:
     return specs
 
 
+def _tier_tokens(tier: str) -> Callable[[EntitlementPoint], float | None]:
+    return lambda point: point.tier_tokens_per_s.get(tier)
+
+
 def _specs_tokens(names: Sequence[str], samples: Sequence[PoolSample] = ()) -> list[TraceSpec]:
     specs = _specs_line_pairs(
         names,
@@ -297,7 +301,7 @@ def _specs_tokens(names: Sequence[str], samples: Sequence[PoolSample] = ()) -> l
     for name in names:
         tiers = sorted({t for s in samples for p in s.entitlements if p.name == name for t in p.tier_tokens_per_s})
         specs += [TraceSpec(f"tokens:{name}@{tier}", _line(f"{name} as {tier}", colors[name], dash="dot", width=1),
-                            _ent_value(name, lambda p, tier=tier: p.tier_tokens_per_s.get(tier)))
+                            _ent_value(name, _tier_tokens(tier)))
                   for tier in tiers]
     return specs
 
