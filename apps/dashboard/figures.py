@@ -285,13 +285,25 @@ def _specs_kv(replicas: Sequence[str]) -> list[TraceSpec]:
     return specs
 
 
-def _specs_tokens(names: Sequence[str]) -> list[TraceSpec]:
-    return _specs_line_pairs(
+def _tier_tokens(tier: str) -> Callable[[EntitlementPoint], float | None]:
+    return lambda point: point.tier_tokens_per_s.get(tier)
+
+
+def _specs_tokens(names: Sequence[str], samples: Sequence[PoolSample] = ()) -> list[TraceSpec]:
+    specs = _specs_line_pairs(
         names,
         _EntitlementLine("tokens", "served", lambda p: p.tokens_per_s),
         _EntitlementLine("baseline", "baseline", lambda p: p.baseline_tokens_per_s or None,
                          {"dash": "dash", "width": 1}),
     )
+    # Issue 24: what an entitlement had served below its class (spilled over, demoted): a dotted line per class.
+    colors = entitlement_colors(names)
+    for name in names:
+        tiers = sorted({t for s in samples for p in s.entitlements if p.name == name for t in p.tier_tokens_per_s})
+        specs += [TraceSpec(f"tokens:{name}@{tier}", _line(f"{name} as {tier}", colors[name], dash="dot", width=1),
+                            _ent_value(name, _tier_tokens(tier)))
+                  for tier in tiers]
+    return specs
 
 
 # --- the figures ---------------------------------------------------------------------------------
@@ -365,9 +377,10 @@ def figure_kv_usage(samples: Sequence[PoolSample], *, visible_entitlements: Iter
 def figure_tokens_vs_baseline(
     samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None
 ) -> Figure:
-    """Seed 000, Figure 6b: tokens/s served per entitlement against its entitled baseline (dashed)."""
+    """Seed 000, Figure 6b: tokens/s served per entitlement against its entitled baseline (dashed), and what of
+    it ran below the entitlement's class (spillover, quota demotion: dotted, one line per class)."""
     names = entitlement_names(samples, visible_entitlements)
-    return _figure(_specs_tokens(names), samples, _layout("Tokens/s served against baseline", "tokens/s"))
+    return _figure(_specs_tokens(names, samples), samples, _layout("Tokens/s served against baseline", "tokens/s"))
 
 
 Builder = Callable[..., Figure]

@@ -61,6 +61,8 @@ class EntitlementPoint:
     tokens_per_s: float = 0.0
     baseline_tokens_per_s: float = 0.0
     kv_bytes: float = 0.0
+    # Of `tokens_per_s`, what was served below the entitlement's class (spilled over, demoted), by class.
+    tier_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
     # The waits that ended over the last samples: p99 and mean, seconds (None: no wait ended in the window).
     queue_wait_p99_s: float | None = None
     queue_wait_mean_s: float | None = None
@@ -83,6 +85,7 @@ class EntitlementPoint:
             "tokens_per_s": self.tokens_per_s,
             "baseline_tokens_per_s": self.baseline_tokens_per_s,
             "kv_bytes": self.kv_bytes,
+            "tier_tokens_per_s": dict(self.tier_tokens_per_s),
         }
 
     @classmethod
@@ -104,6 +107,7 @@ class EntitlementPoint:
             tokens_per_s=float(data.get("tokens_per_s", 0.0)),
             baseline_tokens_per_s=float(data.get("baseline_tokens_per_s", 0.0)),
             kv_bytes=float(data.get("kv_bytes", 0.0)),
+            tier_tokens_per_s={str(k): float(v) for k, v in (data.get("tier_tokens_per_s") or {}).items()},
         )
 
 
@@ -355,6 +359,15 @@ class CollectorState:
     waits: dict[str, deque[list[float]]] = field(default_factory=dict)
 
 
+def _lower_tier_tokens(metrics: Any, entitlement: str, service_class: str) -> dict[str, float]:
+    """Tokens an entitlement had served below its own class so far (`gateway_tier_tokens_total`), by class."""
+    totals: dict[str, float] = {}
+    for (ent, tier, _kind), value in list(metrics.tier_tokens.values.items()):
+        if ent == entitlement and tier != service_class:
+            totals[tier] = totals.get(tier, 0.0) + value
+    return totals
+
+
 def _delta(previous: dict[Any, float], key: Any, current: float, *, first: bool) -> float:
     """Growth of a cumulative counter since the previous sample. On a pool's first sample the counters
     only set the baseline (what happened before is not this second's); afterwards a key not seen yet
@@ -484,6 +497,7 @@ async def collect_pool_sample(
         queued = waiting.get(limits.entitlement_id, 0)
         wait_p99, wait_mean = None, None
         admitted, served = 0.0, 0.0
+        tier_served: dict[str, float] = {}
         denied: dict[str, int] = {}
         if metrics is not None:
             wait_p99, wait_mean = windowed_wait(state, ent_name, metrics.queue_wait.buckets,
@@ -497,6 +511,9 @@ async def collect_pool_sample(
                         denied[reason] = denied.get(reason, 0) + int(count)
             tokens = metrics.tokens.get((ent_name, "prompt")) + metrics.tokens.get((ent_name, "completion"))
             served = _delta(state.tokens, ent_name, tokens, first=first)
+            lower = _lower_tier_tokens(metrics, ent_name, service_class)
+            tier_served = {tier: _delta(state.tokens, f"{ent_name}@{tier}", value, first=first)
+                           for tier, value in lower.items()}
         p99 = None
         if "entitlement" in ttft_names:
             p99 = windowed_p99(state, ("entitlement", ent_name), bounds, ttft_counts(entitlement=ent_name))
@@ -522,6 +539,7 @@ async def collect_pool_sample(
             tokens_per_s=served / elapsed if elapsed > 0 else 0.0,
             baseline_tokens_per_s=float(limits.tokens_per_second or 0.0),
             kv_bytes=float(kv_bytes),
+            tier_tokens_per_s={t: v / elapsed for t, v in tier_served.items()} if elapsed > 0 else {},
         ))
 
     kv_capacity = float(pool.kv_capacity or 0.0)

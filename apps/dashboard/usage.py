@@ -19,13 +19,16 @@ DAYS = 31
 
 
 def daily_figure(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """A Plotly stacked bar figure: per entitlement, spend per day where priced, else tokens per day."""
+    """A Plotly stacked bar figure: per entitlement and served tier (`tenant/entitlement (tier)`: spillover
+    and demoted tokens are bars of their own), spend per day where priced, else tokens per day."""
     priced = any(row["spend"] for row in rows)
-    by_entitlement: dict[str, dict[str, float]] = defaultdict(dict)
+    by_entitlement: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for row in rows:
         value = float(row["spend"]["amount"]) if priced and row["spend"] else float(
             row["prompt_tokens"] + row["completion_tokens"])
-        by_entitlement[f"{row['tenant']}/{row['entitlement']}"][row["period"]] = value
+        tier = row.get("service_tier") or ""
+        name = f"{row['tenant']}/{row['entitlement']}" + (f" ({tier})" if tier else "")
+        by_entitlement[name][row["period"]] += value
     currencies = sorted({row["spend"]["currency"] for row in rows if row["spend"]})
     unit = "/".join(currencies) if priced else "tokens"
     return {

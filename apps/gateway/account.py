@@ -72,7 +72,8 @@ class Accountant:
         entitlement = admission.entry.entitlement
         # A store that counts usage does it in the release itself (nothing is lost if this process dies).
         in_store = ctx.proxied and reservation.accounted and self.store.records_usage
-        usage = UsageKey(admission.entry.tenant_id, current_minute()) if in_store else None
+        tier = ctx.service_tier or str(admission.limits.service_class)
+        usage = UsageKey(admission.entry.tenant_id, current_minute(), tier) if in_store else None
         if ctx.proxied:
             await self.release(reservation, prompt, completion, usage)
         else:
@@ -81,9 +82,14 @@ class Accountant:
         self.metrics.tokens.inc((entitlement, "prompt"), prompt)
         self.metrics.tokens.inc((entitlement, "completion"), completion)
         self.metrics.duration.observe((admission.pool.name,), time.perf_counter() - ctx.started)
-        if ctx.proxied and not in_store:
+        if not ctx.proxied:
+            return
+        self.metrics.tier_requests.inc((entitlement, tier))
+        self.metrics.tier_tokens.inc((entitlement, tier, "prompt"), prompt)
+        self.metrics.tier_tokens.inc((entitlement, tier, "completion"), completion)
+        if not in_store:
             self.usage.add(tenant_id=admission.entry.tenant_id, entitlement=entitlement, prompt_tokens=prompt,
-                           completion_tokens=completion)
+                           completion_tokens=completion, service_tier=tier)
 
     async def release(self, reservation: Reservation, prompt_tokens: int | None, completion_tokens: int | None,
                       usage: UsageKey | None) -> None:

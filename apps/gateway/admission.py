@@ -162,6 +162,7 @@ class Admitter:
             # socket timeout) returns a reply that came in with the cancellation and drops the cancellation
             # (CPython gh-86296). Seen under load: a gone client's request was sent and served in full.
             raise ClientGone()
+        ctx.service_tier = served_tier(admission)
 
     def _limits(self, entry: KeyEntry, max_model_len: int | None) -> EntitlementLimits:
         limits = entry.limits_at(time.time())
@@ -236,8 +237,15 @@ class Admitter:
 
     def count_rejection(self, entry: KeyEntry, limits: EntitlementLimits, reason: str) -> None:
         self.metrics.rejected.inc((limits.entitlement_id, str(limits.service_class), reason))
-        self.usage.reject(tenant_id=entry.tenant_id, entitlement=entry.entitlement)
+        self.usage.reject(tenant_id=entry.tenant_id, entitlement=entry.entitlement,
+                          service_tier=str(entry.limits.service_class))
         self.usage.key_used(entry.key_id, time.time())
+
+
+def served_tier(admission: Admission) -> str:
+    """The class the request runs as: what its reservation says (a lower class when spilled over or demoted),
+    else its entitlement's own."""
+    return admission.reservation.service_tier or str(admission.limits.service_class)
 
 
 def store_error(exc: Exception) -> GatewayError:

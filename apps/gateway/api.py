@@ -26,8 +26,8 @@ class UsageRecordSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = UsageRecord
-        fields = ["id", "tenant", "entitlement", "minute", "requests", "prompt_tokens", "completion_tokens",
-                  "rejected"]
+        fields = ["id", "tenant", "entitlement", "service_tier", "minute", "requests", "prompt_tokens",
+                  "completion_tokens", "rejected"]
         read_only_fields = fields
 
 
@@ -38,7 +38,7 @@ class UsageRecordFilter(django_filters.FilterSet):
 
     class Meta:
         model = UsageRecord
-        fields = ["tenant", "entitlement", "since", "until"]
+        fields = ["tenant", "entitlement", "service_tier", "since", "until"]
 
 
 class UsageRecordViewSet(viewsets.ReadOnlyModelViewSet):
@@ -54,6 +54,7 @@ class UsageRecordViewSet(viewsets.ReadOnlyModelViewSet):
         parameters=[OpenApiParameter("period", str, enum=["day", "month"], description="group by UTC day or month")],
         responses=inline_serializer("UsageSummaryRow", {
             "tenant": serializers.CharField(), "entitlement": serializers.CharField(),
+            "service_tier": serializers.CharField(help_text="the class that served these tokens"),
             "period": serializers.CharField(help_text="YYYY-MM-DD or YYYY-MM (UTC)"),
             "requests": serializers.IntegerField(), "prompt_tokens": serializers.IntegerField(),
             "completion_tokens": serializers.IntegerField(), "rejected": serializers.IntegerField(),
@@ -62,7 +63,7 @@ class UsageRecordViewSet(viewsets.ReadOnlyModelViewSet):
     )
     @action(detail=False, methods=["get"], pagination_class=None)
     def summary(self, request: Request) -> Response:
-        """Tokens and spend per tenant, entitlement and day or month (the same filters as the list)."""
+        """Tokens and spend per tenant, entitlement, served tier and day or month (the same filters as the list)."""
         period = request.query_params.get("period", "day")
         if period not in ("day", "month"):
             raise ValidationError({"period": [f"must be day or month, got {period!r}"]})

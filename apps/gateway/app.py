@@ -61,7 +61,7 @@ from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
 from apps.gateway.tokens import TokenCounter
-from apps.gateway.upstream import close_upstream, default_transport, send_upstream
+from apps.gateway.upstream import close_upstream, default_transport, send_upstream, upstream_headers
 from apps.gateway.usage import UsageAccumulator
 
 logger = logging.getLogger(__name__)
@@ -319,8 +319,10 @@ class Gateway:
             try:
                 await self.admitter.start(admission)
                 assert self.transport is not None
-                response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool.name,
-                                                    pool.model_name, parsed, admission.decision.max_tokens)
+                headers = upstream_headers(pool, tenant=entry.tenant_slug, service_tier=ctx.service_tier,
+                                           slo_ttft_ms=admission.limits.slo_target_ms)
+                response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool, parsed,
+                                                    admission.decision.max_tokens, headers)
                 ending = await relay(ctx, response, parsed, functools.partial(self.accountant.first_token, admission))
             finally:
                 ctx.finished = True  # a disconnect from here on is the normal end of the exchange

@@ -56,6 +56,9 @@ class RequestContext:
     view: RateView | None = None
     # The binding quota after the offer (x-tokenpools-quota-* headers), on admissions and rejections alike.
     quota: QuotaStanding | None = None
+    # The class that serves the request (its entitlement's, or a lower one: spilled over, demoted), once it
+    # started: `x-tokenpools-service-tier` and the `service_tier` field of the answer (issue 24).
+    service_tier: str = ""
     # Milliseconds the request waited in its entitlement's queue or the pool's waiting room (x-tokenpools-queue-ms).
     queue_ms: float = 0.0
     upstream_started: float | None = None
@@ -87,8 +90,10 @@ class RequestContext:
         return (self.upstream_started - self.started + after) * 1000.0
 
     def headers(self, extra: Headers) -> Headers:
+        tier = [(b"x-tokenpools-service-tier", self.service_tier.encode())] if self.service_tier else []
         return [
             *extra,
+            *tier,
             (b"x-request-id", self.request_id.encode()),
             (b"x-tokenpools-overhead-ms", f"{self.overhead_ms():.3f}".encode()),
             (b"x-tokenpools-queue-ms", f"{self.queue_ms:.3f}".encode()),

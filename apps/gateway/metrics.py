@@ -140,6 +140,16 @@ class GatewayMetrics:
         self.tokens = Counter(
             "gateway_tokens_total", "Tokens served, by kind (prompt, completion).", ("entitlement", "kind")
         )
+        # Issue 24: what each served class (tier) carried; a request spilled over or demoted counts under the
+        # lower class it ran as, so that spillover and demoted traffic are series of their own.
+        self.tier_requests = Counter(
+            "gateway_tier_requests_total", "Requests a backend served, by entitlement and the class that served them.",
+            ("entitlement", "tier"),
+        )
+        self.tier_tokens = Counter(
+            "gateway_tier_tokens_total", "Tokens served, by entitlement, the class that served them and kind.",
+            ("entitlement", "tier", "kind"),
+        )
         self.queue_wait = Histogram(
             "tokenpools_queue_wait_seconds",
             "Time a request waited in its entitlement's queue or the pool's waiting room before it started or was "
@@ -156,7 +166,8 @@ class GatewayMetrics:
         left out (apps/gateway/metrics_access.py: what an anonymous reader may see)."""
         lines: list[str] = []
         metrics: list[Counter | Histogram | Gauge] = [self.ttft, self.duration, self.admitted, self.rejected,
-                                                      self.tokens, self.queue_wait, *self.gauges]
+                                                      self.tokens, self.tier_requests, self.tier_tokens,
+                                                      self.queue_wait, *self.gauges]
         for metric in metrics:
             lines.extend(metric.render(hidden))
         return ("\n".join(lines) + "\n").encode()

@@ -1,4 +1,4 @@
-"""Usage records: what each entitlement consumed, per minute, written in batches by the gateway."""
+"""Usage records: what each entitlement consumed, per minute and served tier, written in batches by the gateway."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ class UsageRecord(models.Model):
     # The entitlement's name (unique, never renamed): records outlive a deleted entitlement.
     entitlement = models.CharField(max_length=253)
     minute = models.DateTimeField()
+    # The class that served these requests (issue 24): the entitlement's own, or the lower one they spilled
+    # over or were demoted to; blank on records from before tiers were recorded.
+    service_tier = models.CharField(max_length=16, blank=True, default="")
     requests = models.PositiveBigIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
@@ -18,7 +21,8 @@ class UsageRecord(models.Model):
     class Meta:
         ordering = ["-minute", "entitlement"]
         constraints = [
-            models.UniqueConstraint(fields=["tenant", "entitlement", "minute"], name="gateway_usage_unique_minute")
+            models.UniqueConstraint(fields=["tenant", "entitlement", "minute", "service_tier"],
+                                    name="gateway_usage_unique_minute_tier")
         ]
         indexes = [models.Index(fields=["entitlement", "minute"])]
 

@@ -521,7 +521,7 @@ class RedisStateStore(GatewayStateStore):
             "release", [self._base(reservation.pool)],
             [self._now(), reservation.request_id, "" if completion_tokens is None else int(completion_tokens),
              "" if prompt_tokens is None else int(prompt_tokens),
-             "" if usage is None else str(usage.tenant_id), "" if usage is None else str(usage.minute)],
+             "" if usage is None else str(usage.tenant_id), "" if usage is None else _usage_minute(usage)],
         )
         self._notify(started=raw[1])
         outcome = str(raw[0])
@@ -681,3 +681,9 @@ class RedisStateStore(GatewayStateStore):
 
     async def close(self) -> None:
         await self.redis.aclose(close_connection_pool=True)
+
+
+def _usage_minute(usage: UsageKey) -> str:
+    """The release script's minute argument, with the served tier after it: its usage field becomes
+    `tenant|entitlement|minute|tier|kind` (`apps.gateway.usage.usage_counts_parse`) with no change to the script."""
+    return f"{usage.minute}|{usage.service_tier}" if usage.service_tier else str(usage.minute)

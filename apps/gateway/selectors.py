@@ -61,9 +61,10 @@ def usage_record_list(*, user: Any) -> Any:
 
 
 def usage_spend_summary(*, user: Any, period: str, filters: Any = None) -> list[dict[str, Any]]:
-    """Usage per tenant, entitlement and UTC day or month, with its spend at the entitlement's pool's prices
-    (per million tokens; null when the pool has none, or the entitlement is gone). `filters` narrows the
-    records first (the usage API's filters)."""
+    """Usage per tenant, entitlement, served tier (`service_tier`: the class that served the tokens, the
+    entitlement's own or the lower one they spilled over or were demoted to) and UTC day or month, with its
+    spend at the entitlement's pool's prices (per million tokens; null when the pool has none, or the
+    entitlement is gone). `filters` narrows the records first (the usage API's filters)."""
     import datetime as dt
     from decimal import Decimal
 
@@ -73,10 +74,10 @@ def usage_spend_summary(*, user: Any, period: str, filters: Any = None) -> list[
     truncate = {"day": TruncDay, "month": TruncMonth}[period]
     records = filters if filters is not None else usage_record_list(user=user)
     rows = (records.annotate(period=truncate("minute", tzinfo=dt.UTC))
-            .values("tenant__slug", "entitlement", "period")
+            .values("tenant__slug", "entitlement", "service_tier", "period")
             .annotate(requests=Sum("requests"), prompt_tokens=Sum("prompt_tokens"),
                       completion_tokens=Sum("completion_tokens"), rejected=Sum("rejected"))
-            .order_by("period", "tenant__slug", "entitlement"))
+            .order_by("period", "tenant__slug", "entitlement", "service_tier"))
     rows = list(rows)
     prices = {
         e.name: e.pool for e in TokenEntitlement.objects.filter(name__in={r["entitlement"] for r in rows})
@@ -92,7 +93,7 @@ def usage_spend_summary(*, user: Any, period: str, filters: Any = None) -> list[
                       + row["completion_tokens"] * pool.price_output_per_million) / million
             spend = {"amount": str(amount.quantize(Decimal("0.000001"))), "currency": pool.price_currency}
         out.append({
-            "tenant": row["tenant__slug"], "entitlement": row["entitlement"],
+            "tenant": row["tenant__slug"], "entitlement": row["entitlement"], "service_tier": row["service_tier"],
             "period": row["period"].date().isoformat() if period == "day" else row["period"].strftime("%Y-%m"),
             "requests": row["requests"], "prompt_tokens": row["prompt_tokens"],
             "completion_tokens": row["completion_tokens"], "rejected": row["rejected"], "spend": spend,

@@ -15,13 +15,16 @@ def usage_record_add(
     tenant_id: int,
     entitlement: str,
     minute: dt.datetime,
+    service_tier: str = "",
     requests: int = 0,
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
     rejected: int = 0,
 ) -> None:
-    """Add to the (tenant, entitlement, minute) record, creating it on first use (call inside a transaction)."""
-    rows = UsageRecord.objects.filter(tenant_id=tenant_id, entitlement=entitlement, minute=minute)
+    """Add to the (tenant, entitlement, minute, served tier) record, creating it on first use (call inside a
+    transaction)."""
+    rows = UsageRecord.objects.filter(tenant_id=tenant_id, entitlement=entitlement, minute=minute,
+                                      service_tier=service_tier)
     increments = {
         "requests": F("requests") + requests,
         "prompt_tokens": F("prompt_tokens") + prompt_tokens,
@@ -33,7 +36,8 @@ def usage_record_add(
     try:
         with transaction.atomic():  # a savepoint: another process may create the row first
             UsageRecord.objects.create(
-                tenant_id=tenant_id, entitlement=entitlement, minute=minute, requests=requests,
+                tenant_id=tenant_id, entitlement=entitlement, minute=minute, service_tier=service_tier,
+                requests=requests,
                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, rejected=rejected,
             )
     except IntegrityError:

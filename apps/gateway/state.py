@@ -88,6 +88,8 @@ class UsageKey:
 
     tenant_id: int
     minute: int
+    # The class that served it (the usage records count tokens per served tier).
+    service_tier: str = ""
 
 
 @dataclass(frozen=True, slots=True)

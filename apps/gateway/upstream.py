@@ -7,16 +7,27 @@ transport is shared by every request: keep-alive connections sharded over indepe
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Mapping
 
 import httpx
 
 from apps.gateway.context import RequestContext
-from apps.gateway.errors import GatewayError, unavailable
+from apps.gateway.errors import GatewayError, unavailable, upstream_shed
 from apps.gateway.parse import CHAT, ParsedRequest, upstream_body
 from apps.gateway.routing import ReplicaSet
+from apps.gateway.snapshot import PoolInfo
 
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+LLMD = "llm-d"
+# What llm-d's flow control keys a request by (the Gateway API Inference Extension's names and llm-d's own).
+FAIRNESS_HEADERS = ("x-gateway-inference-fairness-id", "x-llm-d-inference-fairness-id")
+OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
+SLO_TTFT_HEADER = "x-llm-d-slo-ttft-ms"
+# The statuses an inference gateway sheds a request with, and the header that may say why.
+SHED_STATUSES = frozenset({429, 503})
+SHED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 # An idle upstream connection is dropped before the backend drops it: vLLM's server closes idle keep-alive
 # connections after 5 s, and a request sent on one it is closing fails with a ReadError (a 502 here).
 UPSTREAM_KEEPALIVE_S = 4.0
@@ -55,12 +66,38 @@ def default_transport() -> ShardedTransport:
     return ShardedTransport(TRANSPORT_SHARDS, keepalive_connections=1000, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
 
 
+def upstream_headers(pool: PoolInfo, *, tenant: str, service_tier: str, slo_ttft_ms: float) -> Mapping[str, str]:
+    """The headers a backend of `pool` gets: the same two for every vLLM-like backend (no copy per request);
+    for an llm-d inference gateway, also the tenant (fairness id), the served class's InferenceObjective and
+    the entitlement's TTFT target."""
+    if pool.backend_kind != LLMD:
+        return UPSTREAM_HEADERS
+    objective = pool.objective_for(service_tier)
+    return {**UPSTREAM_HEADERS, **dict.fromkeys(FAIRNESS_HEADERS, tenant), **dict.fromkeys(OBJECTIVE_HEADERS, objective),
+            SLO_TTFT_HEADER: str(round(slo_ttft_ms))}
+
+
+def shed(pool: PoolInfo, response: httpx.Response) -> GatewayError | None:
+    """The inference gateway in front of an llm-d pool shed the request: a 429 for the client, with its reason
+    and when to retry (its own Retry-After, else a second)."""
+    if pool.backend_kind != LLMD or response.status_code not in SHED_STATUSES:
+        return None
+    reason = response.headers.get(SHED_REASON_HEADER, "").strip()[:200]
+    try:
+        retry_after_s = max(1.0, float(response.headers.get("retry-after", "1")))
+    except ValueError:
+        retry_after_s = 1.0
+    return upstream_shed(reason or f"HTTP {response.status_code}", retry_after_s=retry_after_s)
+
+
 async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport, timeout: dict[str, float | None],
-                        replicas: ReplicaSet, pool_name: str, model: str, parsed: ParsedRequest,
-                        max_tokens: int) -> tuple[httpx.Response, str]:
+                        replicas: ReplicaSet, pool: PoolInfo, parsed: ParsedRequest, max_tokens: int,
+                        headers: Mapping[str, str] = UPSTREAM_HEADERS) -> tuple[httpx.Response, str]:
     """Send the request to a replica; returns the response (headers read, body not) and the replica's URL,
-    which the caller gives back with `close_upstream` once the answer is relayed."""
-    body = upstream_body(parsed, model=model, max_tokens=max_tokens)
+    which the caller gives back with `close_upstream` once the answer is relayed. An answer that shed the
+    request (`shed`) is closed here and raised as its 429."""
+    pool_name = pool.name
+    body = upstream_body(parsed, model=pool.model_name, max_tokens=max_tokens)
     path = "/v1/chat/completions" if parsed.kind == CHAT else "/v1/completions"
     tried: set[str] = set()
     resent = False
@@ -75,10 +112,15 @@ async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport
         try:
             # Straight to the shared transport: the client's cookie, redirect, auth and hook handling cost
             # ~0.3 ms a request and none of it applies to a backend call.
-            request = httpx.Request("POST", url + path, content=body, headers=UPSTREAM_HEADERS,
+            request = httpx.Request("POST", url + path, content=body, headers=headers,
                                     extensions={"timeout": timeout})
             response = await transport.handle_async_request(request)
             response.request = request
+            refusal = shed(pool, response)
+            if refusal is not None:
+                with contextlib.suppress(httpx.HTTPError):
+                    await response.aclose()
+                raise refusal  # the replica is given back below
             return response, url
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             # Nothing reached the replica: safe to try another one. Refused: it is down; a timeout only

@@ -1,6 +1,7 @@
 """Usage accounting off the request path, flushed to `UsageRecord` in batches.
 
-With the in-process store, the request path adds to a dict keyed by (tenant, entitlement, minute); the
+With the in-process store, the request path adds to a dict keyed by (tenant, entitlement, minute, served tier:
+the class that served the request, its entitlement's or a lower one it spilled over or was demoted to); the
 flusher swaps the dict out and upserts it in a worker thread (one transaction, increments, so several
 gateway processes add up rather than overwrite). A process killed outright loses at most what it counted
 since its last flush (`GATEWAY_USAGE_FLUSH_S`).
@@ -22,7 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-_Key = tuple[int, str, int]
+_Key = tuple[int, str, int, str]
 # How often one process writes one key's last_used_at at most (seconds).
 KEY_USED_EVERY_S = 60.0
 
@@ -52,22 +53,24 @@ class UsageAccumulator:
         if now - self._keys_written.get(key_id, -KEY_USED_EVERY_S) >= KEY_USED_EVERY_S:
             self._keys_used[key_id] = now
 
-    def _counts(self, tenant_id: int, entitlement: str) -> _Counts:
-        key = (tenant_id, entitlement, current_minute())
+    def _counts(self, tenant_id: int, entitlement: str, service_tier: str) -> _Counts:
+        key = (tenant_id, entitlement, current_minute(), service_tier)
         counts = self._pending.get(key)
         if counts is None:
             counts = self._pending[key] = _Counts()
         return counts
 
-    def add(self, *, tenant_id: int, entitlement: str, prompt_tokens: int, completion_tokens: int) -> None:
-        counts = self._counts(tenant_id, entitlement)
+    def add(self, *, tenant_id: int, entitlement: str, prompt_tokens: int, completion_tokens: int,
+            service_tier: str = "") -> None:
+        counts = self._counts(tenant_id, entitlement, service_tier)
         counts.requests += 1
         counts.prompt_tokens += prompt_tokens
         counts.completion_tokens += completion_tokens
 
-    def reject(self, *, tenant_id: int, entitlement: str) -> None:
+    def reject(self, *, tenant_id: int, entitlement: str, service_tier: str = "") -> None:
+        """A refused request, counted under its entitlement's own class (nothing served it)."""
         if tenant_id:
-            self._counts(tenant_id, entitlement).rejected += 1
+            self._counts(tenant_id, entitlement, service_tier).rejected += 1
 
     @property
     def pending(self) -> int:
@@ -118,11 +121,17 @@ def _keys_mark_used(used: dict[int, float]) -> int:
 
 
 def usage_counts_parse(flat: Mapping[str, str]) -> dict[_Key, _Counts]:
-    """The store's counts (`tenant|entitlement|minute|r|p|c` fields) as a batch."""
+    """The store's counts (`tenant|entitlement|minute|tier|kind` fields, kind r, p or c; counts from before
+    tiers were recorded lack the tier) as a batch. An entitlement's lower tier, should the store name it
+    `<entitlement>@<class>`, counts as that entitlement served at that class."""
     batch: dict[_Key, _Counts] = {}
     for field, raw in flat.items():
-        tenant, entitlement, minute, kind = field.rsplit("|", 3)
-        counts = batch.setdefault((int(tenant), entitlement, int(minute)), _Counts())
+        parts = field.split("|")
+        tenant, entitlement, minute, kind = parts[0], parts[1], parts[2], parts[-1]
+        entitlement, _, tier = entitlement.partition("@")
+        if len(parts) == 5:
+            tier = parts[3]
+        counts = batch.setdefault((int(tenant), entitlement, int(minute), tier), _Counts())
         value = int(raw)
         if kind == "r":
             counts.requests += value
@@ -154,10 +163,11 @@ def usage_batch_apply(token: str, batch: dict[_Key, _Counts]) -> bool:
 def _upsert(batch: dict[_Key, _Counts]) -> None:
     from apps.gateway.services import usage_record_add
 
-    for (tenant_id, entitlement, minute), counts in batch.items():
+    for (tenant_id, entitlement, minute, tier), counts in batch.items():
         usage_record_add(
             tenant_id=tenant_id,
             entitlement=entitlement,
+            service_tier=tier,
             minute=dt.datetime.fromtimestamp(minute * 60, tz=dt.UTC),
             requests=counts.requests,
             prompt_tokens=counts.prompt_tokens,

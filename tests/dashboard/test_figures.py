@@ -194,3 +194,20 @@ def test_quota_rejections_are_their_own_denial_reason(history: list[PoolSample])
     assert fig["denied:acme-a:quota_exceeded"]["y"] == [-4]
     assert fig["denied:acme-a:quota_exceeded"]["name"] == "acme-a denied: quota_exceeded"
     assert fig["denied:acme-a:pool_contended"]["y"] == [-1]
+
+
+def test_tokens_served_below_the_class_are_a_series_of_their_own() -> None:
+    """Issue 24: spilled-over or demoted tokens get a dotted line per class, in the entitlement's colour, added
+    live the first time they appear (the update carries the new trace's template)."""
+    history = [sample(0, point("acme-a", tokens_per_s=100.0)),
+               sample(1, point("acme-a", tokens_per_s=120.0, tier_tokens_per_s={"spot": 20.0}))]
+    figure = figures.figure_tokens_vs_baseline(history, visible_entitlements=None)
+    go.Figure(figure)
+    spot = traces(figure)["tokens:acme-a@spot"]
+    assert spot["name"] == "acme-a as spot" and spot["line"]["dash"] == "dot"
+    assert spot["line"]["color"] == traces(figure)["tokens:acme-a"]["line"]["color"]
+    assert spot["y"] == [20.0] and spot["x"] == [figures.ms(history[1])]
+    update = figures.figure_update(history[1], None, ids=["tokens"])
+    assert "tokens:acme-a@spot" in {t["meta"] for t in update["tokens"]}
+    assert "tokens:acme-a@spot" not in traces(figures.figure_tokens_vs_baseline(history[:1], visible_entitlements=None))
+    assert EntitlementPoint.from_dict(history[1].entitlements[0].to_dict()) == history[1].entitlements[0]

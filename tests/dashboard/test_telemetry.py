@@ -102,6 +102,10 @@ async def test_sample_reads_store_budget_and_metrics(gateway: Gateway) -> None:
     gateway.metrics.rejected.inc(("globex-batch", "spot", "pool_contended"), 2)
     gateway.metrics.tokens.inc(("acme-chat", "prompt"), 100)
     gateway.metrics.tokens.inc(("acme-chat", "completion"), 300)
+    # Of those, 150 served as the entitlement's own class and 250 below it (spilled over to spot: issue 24).
+    gateway.metrics.tier_tokens.inc(("acme-chat", "guaranteed", "completion"), 150)
+    gateway.metrics.tier_tokens.inc(("acme-chat", "spot", "prompt"), 100)
+    gateway.metrics.tier_tokens.inc(("acme-chat", "spot", "completion"), 150)
     gateway.budgets["qwen"].published(8)  # as if the AIMD controller had halved it
 
     second = await telemetry.telemetry_sample_pool(pool="qwen", now=T0 + 2, gateway=gateway, channel_layer=layer,
@@ -114,6 +118,8 @@ async def test_sample_reads_store_budget_and_metrics(gateway: Gateway) -> None:
     assert acme.priority == pytest.approx(priority_weight("guaranteed", 500.0, 1000.0, 0.0, 0.5))
     assert acme.admitted == 3 and acme.denied == {}
     assert acme.tokens_per_s == pytest.approx(400 / 2)
+    assert acme.tier_tokens_per_s == {"spot": pytest.approx(250 / 2)}  # its own class is the line above
+    assert globex.tier_tokens_per_s == {}
     assert acme.baseline_tokens_per_s == 100.0 and acme.slo_ms == 500.0
     assert globex.denied == {"pool_contended": 2} and globex.in_flight == 0
     assert second.budget == 8 and second.aimd_action == -1

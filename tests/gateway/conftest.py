@@ -81,6 +81,7 @@ def gateway_factory(
         pool: dict[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         extra_entitlements: dict[str, dict[str, Any]] | None = None,
+        pool_model: dict[str, Any] | None = None,
     ) -> Harness:
         if upstreams is None:
             upstreams = [upstream_factory()[0]]
@@ -88,6 +89,10 @@ def gateway_factory(
             replica_urls = [u.url for u in upstreams]
         pool_obj = make_pool(admin, name="tiny", replicas=[{"url": url} for url in replica_urls],
                              **{"model_name": "tiny-model", "tokens_per_second_per_replica": 100_000, **(pool or {})})
+        if pool_model:  # fields set on the model itself (the pool's backend kind and objectives: issue 24)
+            for name, value in pool_model.items():
+                setattr(pool_obj, name, value)
+            pool_obj.save()
         ent_fields = {"tokens_per_second": 1000, "concurrency": 4, **(entitlement or {})}
         service_class = ent_fields.pop("service_class", "guaranteed")
         ent = make_entitlement(admin, acme, pool_obj, "acme-chat", service_class=service_class, **ent_fields)

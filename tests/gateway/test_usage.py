@@ -22,8 +22,8 @@ pytestmark = pytest.mark.django_db
 
 def test_batches_add_up_per_tenant_entitlement_and_minute(acme: Any) -> None:
     minute = 29_000_000
-    usage_records_upsert_batch({(acme.pk, "e1", minute): _Counts(2, 10, 20, 1)})
-    usage_records_upsert_batch({(acme.pk, "e1", minute): _Counts(1, 5, 5, 0), (acme.pk, "e1", minute + 1): _Counts(1)})
+    usage_records_upsert_batch({(acme.pk, "e1", minute, ""): _Counts(2, 10, 20, 1)})
+    usage_records_upsert_batch({(acme.pk, "e1", minute, ""): _Counts(1, 5, 5, 0), (acme.pk, "e1", minute + 1, ""): _Counts(1)})
     first = UsageRecord.objects.get(entitlement="e1", minute=dt.datetime.fromtimestamp(minute * 60, tz=dt.UTC))
     assert (first.requests, first.prompt_tokens, first.completion_tokens, first.rejected) == (3, 15, 25, 1)
     assert UsageRecord.objects.count() == 2
@@ -47,8 +47,8 @@ def _list(user: Any) -> list[dict[str, Any]]:
 
 
 def test_api_shows_only_the_callers_tenants(acme: Any, globex: Any, admin: Any) -> None:
-    usage_records_upsert_batch({(acme.pk, "acme-e", 29_000_000): _Counts(1, 2, 3, 0),
-                                (globex.pk, "globex-e", 29_000_000): _Counts(4, 5, 6, 0)})
+    usage_records_upsert_batch({(acme.pk, "acme-e", 29_000_000, ""): _Counts(1, 2, 3, 0),
+                                (globex.pk, "globex-e", 29_000_000, ""): _Counts(4, 5, 6, 0)})
     member = get_user_model().objects.create_user("m", password="m-pass-12345")
     Membership.objects.create(tenant=acme, user=member, role=Role.MEMBER)
     outsider = get_user_model().objects.create_user("o", password="o-pass-12345")
@@ -65,13 +65,15 @@ def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any, met
     assert httpx.post(h.url + "/v1/chat/completions", json={**body, "max_tokens": 2000},
                       headers=h.auth()).status_code == 400
     pending = h.gateway.usage._pending
-    ((tenant_id, entitlement, _minute), counts), = pending.items()
-    assert (tenant_id, entitlement) == (h.entitlement.tenant_id, "acme-chat")
+    # One row: the served request and the refused one both count under the class that served it (its own).
+    ((tenant_id, entitlement, _minute, tier), counts), = pending.items()
+    assert (tenant_id, entitlement, tier) == (h.entitlement.tenant_id, "acme-chat", "guaranteed")
     assert (counts.requests, counts.completion_tokens) == (1, 4)
     assert counts.prompt_tokens == 5  # the backend's count (3 words + 2)
     assert h.gateway.budgets["tiny"].histogram.count == 1  # the TTFT the pool's AIMD reads
     usage_records_upsert_batch(dict(pending))
     assert UsageRecord.objects.get().completion_tokens == 4
+    assert UsageRecord.objects.get().service_tier == "guaranteed"
 
     metrics = httpx.get(h.url + "/metrics", headers={"Authorization": f"Bearer {metrics_token}"})
     assert metrics.status_code == 200
@@ -90,7 +92,7 @@ def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any, met
 
 
 def test_admin_lists_usage_records_read_only(client: Any, admin: Any, acme: Any) -> None:
-    usage_records_upsert_batch({(acme.pk, "acme-e", 29_000_000): _Counts(1, 2, 3, 0)})
+    usage_records_upsert_batch({(acme.pk, "acme-e", 29_000_000, ""): _Counts(1, 2, 3, 0)})
     client.force_login(admin)
     page = client.get("/django-admin/gateway/usagerecord/")
     assert page.status_code == 200

@@ -46,7 +46,13 @@ class Upstream:
     kv_usage: float = 0.0
     # Keep the response open this long after [DONE] (servers may close the stream a moment later).
     linger_after_done_s: float = 0.0
+    # Answer every completion with this status, as an inference gateway that sheds it (llm-d's flow control),
+    # with `x-llm-d-request-dropped-reason: shed_reason` when one is given.
+    shed_status: int | None = None
+    shed_reason: str | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
+    # The headers of each completion request received (names lower-case), in the order of `received`.
+    received_headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0
     # The most requests it served at once (reset it by hand between phases of a test).
     peak: int = 0
@@ -95,6 +101,14 @@ class Upstream:
             await self._json(send, 404, {"detail": "Not Found"})
             return
         self.received.append(payload)
+        self.received_headers.append({k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]})
+        if self.shed_status is not None:
+            headers = [(b"content-type", b"application/json")]
+            if self.shed_reason is not None:
+                headers.append((b"x-llm-d-request-dropped-reason", self.shed_reason.encode()))
+            await send({"type": "http.response.start", "status": self.shed_status, "headers": headers})
+            await send({"type": "http.response.body", "body": b'{"error": "shed"}'})
+            return
         if not isinstance(payload.get("max_tokens"), int):
             await self._json(send, 400, {"object": "error", "message": "max_tokens required by this test backend"})
             return
