@@ -2,14 +2,14 @@
 in every stream chunk, `x-tokenpools-service-tier`), `/metrics`, the usage records and the usage summary count
 requests and tokens per served tier, and the OpenAI SDK reads the field unchanged.
 
-Which class serves a request is the state machine's decision (its reservation's `service_tier`); until the
-state machine serves any request below its entitlement's class, `LowerTierStore` below stands for it: the
-in-process store, whose reservations say they run as spot (what a spilled-over or demoted request's say).
+Which class serves a request is the state machine's decision (its reservation's `service_tier`): here its quota
+demotion (a used-up quota that says spot) and its spillover (over the entitlement's own concurrency), on both
+stores.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import json
 from typing import Any
 
@@ -17,9 +17,7 @@ import httpx
 import openai
 import pytest
 
-from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.models import UsageRecord
-from apps.gateway.state import Offer
 from apps.gateway.usage import usage_records_upsert_batch
 from tests.support.metrics import scrape
 
@@ -29,19 +27,9 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "one two three
 COMPLETION = {"model": "tiny", "prompt": "one two three", "max_tokens": 3}
 
 
-class LowerTierStore(MemoryStateStore):
-    """The in-process store, with every admitted request served as `tier` (as the state machine's spillover or
-    quota demotion will say in the reservation)."""
-
-    def __init__(self, tier: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.tier = tier
-
-    async def offer(self, **kwargs: Any) -> Offer:
-        offer = await super().offer(**kwargs)
-        if offer.reservation is None:
-            return offer
-        return dataclasses.replace(offer, reservation=dataclasses.replace(offer.reservation, service_tier=self.tier))
+# An entitlement whose quota is used up at once (1 token) and says `onExceeded: spot`: every request is served
+# as spot (the state machine's quota demotion), with room to spare in the pool.
+DEMOTED = {"quota_tokens": 1, "quota_window": "day", "quota_on_exceeded": "spot"}
 
 
 def _events(text: str) -> list[dict[str, Any]]:
@@ -77,7 +65,7 @@ def test_a_refusal_says_no_tier(gateway_factory: Any) -> None:
 
 
 def test_the_openai_sdk_reads_the_service_tier(gateway_factory: Any) -> None:
-    h = gateway_factory(store=LowerTierStore("spot"))
+    h = gateway_factory(entitlement=DEMOTED)
     client = openai.OpenAI(base_url=h.url + "/v1", api_key=h.secret, max_retries=0)
     answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "one two"}],
                                             max_tokens=2)
@@ -96,7 +84,7 @@ def test_metrics_usage_and_summary_count_per_served_tier(gateway_factory: Any, m
                                                          admin: Any) -> None:
     """A request served below its entitlement's class is counted under that class: its own series on /metrics,
     its own usage records and summary rows; the entitlement's existing series keep counting it too."""
-    h = gateway_factory(store=LowerTierStore("spot"), pool={"price_input_per_million": "1.00",
+    h = gateway_factory(entitlement=DEMOTED, pool={"price_input_per_million": "1.00",
                                                              "price_output_per_million": "2.00",
                                                              "price_currency": "USD"})
     for _ in range(2):
@@ -126,3 +114,31 @@ def _api(user: Any) -> Any:
     client = APIClient()
     client.force_authenticate(user)
     return client
+
+
+@pytest.mark.parametrize("kind", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def test_over_its_concurrency_a_request_spills_over_and_says_so(
+    kind: str, request: pytest.FixtureRequest, gateway_factory: Any, upstream_factory: Any
+) -> None:
+    """Spillover through the gateway: a guaranteed entitlement of one slot that names spot serves a second
+    concurrent request at once as spot (the state machine's spillover), and says so."""
+    store = None
+    if kind == "redis":
+        from apps.gateway.redis_state import RedisStateStore
+
+        store = RedisStateStore(url=request.getfixturevalue("redis_url"), prefix=f"t{id(request)}:")
+    upstream, _ = upstream_factory(first_token_delay_s=0.5, max_output=3)
+    h = gateway_factory(upstreams=[upstream], store=store,
+                        entitlement={"concurrency": 1, "spillover_class": "spot", "queue_max": 0})
+
+    async def two_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=10) as client:
+            first = asyncio.create_task(client.post(h.url + "/v1/chat/completions", json=CHAT, headers=h.auth()))
+            await asyncio.sleep(0.2)  # the first holds the entitlement's one slot
+            second = await client.post(h.url + "/v1/chat/completions", json=CHAT, headers=h.auth())
+            return [await first, second]
+
+    first, second = asyncio.run(two_at_once())
+    assert [r.status_code for r in (first, second)] == [200, 200]
+    assert [r.headers["x-tokenpools-service-tier"] for r in (first, second)] == ["guaranteed", "spot"]
+    assert [r.json()["service_tier"] for r in (first, second)] == ["guaranteed", "spot"]
