@@ -97,7 +97,7 @@ class TenantStats:
     e2e: list[float] = field(default_factory=list)
     queue_wait: list[float] = field(default_factory=list)
     denials: Counter[str] = field(default_factory=Counter)
-    # Completed requests by the class that served them (issue 24: spillover, quota demotion).
+    # Admitted requests by the class that serves them (issue 24: spillover, quota demotion), as `admitted`.
     served_by_tier: Counter[str] = field(default_factory=Counter)
     # Requests lost after admission (queue timeouts, evictions), by reason.
     lost_by_reason: Counter[str] = field(default_factory=Counter)
@@ -199,6 +199,8 @@ class Cluster:
         request.admitted_at = self.loop.time
         request.priority = decision.priority
         request.served_class = decision.served_class
+        if decision.served_class:
+            tenant.served_by_tier[decision.served_class] += 1
         self._emit("admitted", request)
         if decision.outcome == "admit":
             self._dispatch(request)
@@ -257,8 +259,6 @@ class Cluster:
         stats.completed += 1
         tenant = stats.tenants[request.tenant]
         tenant.completed += 1
-        if request.served_class:
-            tenant.served_by_tier[request.served_class] += 1
         tenant.in_flight -= 1
         tenant.running -= 1
         tenant.output_tokens += request.output_tokens

@@ -22,7 +22,7 @@ simulator puts at zero (spot-b never queues) may be a live handful of millisecon
 With spillover (issue 24), `seed000_spillover_agreement.yaml`: a guaranteed entitlement of 4 slots with 8
 closed-loop clients spills its extra requests to spot on idle capacity beside a barely used reservation and an
 open-loop spot tenant, on both stores; besides the counts above, the requests served per tier (the
-simulator's completions by tier, the client's 200s by `x-tokenpools-service-tier`) agree within 10% plus one.
+simulator's admissions by tier, the client's 200s by `x-tokenpools-service-tier`) agree within 10% plus one.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def _assert_agreement(simulated: dict[str, Any], live: dict[str, Any], *, tiers:
             assert sim[figure] is not None and got[figure] is not None, (name, figure)
             assert _close(got[figure], sim[figure], tolerance, floor), (name, figure, got[figure], sim[figure])
         if tiers:
-            # The simulator counts completions by tier, the client the 200s by their x-tokenpools-service-tier.
+            # The simulator counts admissions by tier (as `admitted`), the client the 200s by their
+            # x-tokenpools-service-tier.
             for tier in set(sim["served_by_tier"]) | set(got["served_by_tier"]):
                 want, have = sim["served_by_tier"].get(tier, 0), got["served_by_tier"].get(tier, 0)
                 assert _close(have, want, COUNT_TOLERANCE, floor=1), (name, tier, have, want)
