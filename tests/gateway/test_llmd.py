@@ -14,7 +14,7 @@ import pytest
 
 from apps.gateway.usage import usage_counts_parse
 from tests.gateway.test_holds import _held
-from tests.gateway.test_tiers import LowerTierStore
+from tests.gateway.test_tiers import DEMOTED
 
 pytestmark = pytest.mark.django_db
 
@@ -58,7 +58,7 @@ def test_an_llmd_pool_is_handed_the_tenant_and_the_objective_never_the_clients(
 
 def test_the_objective_is_the_served_class_s(gateway_factory: Any, upstream_factory: Any) -> None:
     upstream, _ = upstream_factory()
-    h = gateway_factory(upstreams=[upstream], pool_model=LLMD, store=LowerTierStore("spot"))
+    h = gateway_factory(upstreams=[upstream], pool_model=LLMD, entitlement=DEMOTED)  # served as spot
     assert httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth()).status_code == 200
     assert upstream.received_headers[0]["x-llm-d-inference-objective"] == "best-effort"
     assert upstream.received_headers[0]["x-gateway-inference-objective"] == "best-effort"
