@@ -206,6 +206,10 @@ def _capacity_args(pool: PoolInfo, saturation: float, config: AdmissionConfig) -
             repr(float(config.wait_timeout_s)), str(config.max_evictions_per_request)]
 
 
+class InFlightAlready(Exception):
+    """The offered request's id is in flight already (a duplicate: AdmissionLedger.request refuses it)."""
+
+
 class RedisStateStore(GatewayStateStore):
     poll_s = 0.25
     shares_budget = True
@@ -293,13 +297,16 @@ class RedisStateStore(GatewayStateStore):
                                     len(pairs), *pairs, *queues])
         self._notify(started=started)
 
-    async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float,
+    async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float, request_id: str = "",
                         ) -> tuple[EntitlementUsage, PoolUsage, str, int, float | None]:
         """The decision's snapshot, the pool's version, the entitlement's queue length and the start of its
-        oldest running request."""
+        oldest running request. Raises `InFlightAlready` when `request_id` is in flight."""
         _, pairs = _reserved_args(pool)
         raw = (await self._call("read", [self._base(pool.name)],
-                                [self._now(), limits.entitlement_id, *_bucket_args(limits), *pairs])).split(" ")
+                                [self._now(), limits.entitlement_id, *_bucket_args(limits), request_id,
+                                 *pairs])).split(" ")
+        if raw[19] == "1":
+            raise InFlightAlready(request_id)
         level = _float(raw[4])
         usage = EntitlementUsage(
             in_flight=int(_float(raw[0])), kv_bytes_in_flight=_float(raw[1]), running=int(_float(raw[2])),
@@ -447,7 +454,13 @@ class RedisStateStore(GatewayStateStore):
         owner = limits
         for attempt in range(MAX_ATTEMPTS):
             limits = owner
-            usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(limits, pool, saturation)
+            try:
+                usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(
+                    limits, pool, saturation, request.request_id)
+            except InFlightAlready:
+                duplicate = AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
+                                              retryable=False, check=0)
+                return Offer(duplicate, None, RateView(), REJECTED)
             tier: EntitlementLimits | None = None
             if demote:
                 tier = owner.tier_limits(DEMOTED_CLASS)
@@ -601,7 +614,8 @@ class RedisStateStore(GatewayStateStore):
     async def request_state(self, *, reservation: Reservation) -> str | None:
         values = await self.record_fields(pool=reservation.pool, field="state",
                                           records=[f"req:{reservation.request_id}"])
-        return values[0]
+        # An evicted request's record waits for its late release: it has left the state machine.
+        return values[0] if values[0] in (RUNNING, WAITING) else None
 
     # --- usage counted by the releases ------------------------------------------------------------------
 
