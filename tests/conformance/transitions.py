@@ -334,6 +334,22 @@ TRANSITION_SCENARIOS: tuple[Scenario, ...] = (
         quotas=(("chat", (quota("entitlement:chat", 1000.0),)),),
     ),
     Scenario(
+        "records left by an earlier release: an evicted request's quota hold waits for its release; its id "
+        "offered again meanwhile is refused as a duplicate",
+        Pool(slots=1),
+        (ent("scav", "preemptible", concurrency=2), ent("vip", "elastic", concurrency=1, slo_target_ms=100.0)),
+        (
+            Offer("p1", "scav", 10, 20, expect="running"),
+            Offer("v1", "vip", expect="running", evicted=("p1",)),
+            Offer("p1", "scav", 10, 20, expect="rejected", reason="invalid_request"),
+            QuotaState("entitlement:scav", used=0.0, reserved=30.0),
+            Complete("p1", output=3, expect="unknown"),
+            QuotaState("entitlement:scav", used=3.0, reserved=0.0),
+            Complete("v1", output=5),
+        ),
+        quotas=(("scav", (quota("entitlement:scav", 100.0),)),),
+    ),
+    Scenario(
         "an entitlement removed from the pool: its running requests finish, its queue never starts, its "
         "reservation goes, its offers are refused",
         Pool(slots=3),
