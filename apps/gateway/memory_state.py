@@ -35,6 +35,7 @@ from apps.policy import (
 from apps.policy.admission import DEFAULT_ADMISSION_CONFIG
 from apps.policy.ledger import OUTCOME_UNKNOWN, WAITING, ReleaseResult
 from apps.policy.quota import QuotaBook, QuotaCharge, QuotaClaim, QuotaStanding
+from apps.policy.quota_offer import settlement
 from apps.policy.window import WindowReading
 
 
@@ -124,7 +125,8 @@ class MemoryStateStore(GatewayStateStore):
         self._forget(reservation.request_id)
         ledger = self._ledgers.get(reservation.pool)
         if ledger is None:
-            self.quotas.settle(reservation.request_id, prompt_tokens or 0, completion_tokens or 0)
+            self.quotas.settle(reservation.request_id, *settlement(OUTCOME_UNKNOWN, 0, 0, completion_tokens,
+                                                                   prompt_tokens))
             return ReleaseResult(OUTCOME_UNKNOWN)
         result = ledger.release(reservation.request_id, self.clock.now(), output_tokens=completion_tokens,
                                 prompt_tokens=prompt_tokens)

@@ -62,14 +62,7 @@ from apps.policy import (
     admit,
 )
 from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, OWN_LIMIT_REASONS, Reason
-from apps.policy.ledger import (
-    OUTCOME_CANCELLED,
-    OUTCOME_COMPLETED,
-    RUNNING,
-    WAITING,
-    ReleaseResult,
-    quota_refusal,
-)
+from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
 from apps.policy.priority import DynamicsConfig
 from apps.policy.queues import (
     FULL,
@@ -80,7 +73,8 @@ from apps.policy.queues import (
     queued_decision,
 )
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
-from apps.policy.tiers import DEMOTED_CLASS, demotion_claim, served_as, spills, tier_pool
+from apps.policy.quota_offer import after_reserve, demoted_hold, refunds, settlement
+from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
 from apps.policy.window import WindowFigures, WindowReading, window_reading
 
 logger = logging.getLogger(__name__)
@@ -206,6 +200,10 @@ def _capacity_args(pool: PoolInfo, saturation: float, config: AdmissionConfig) -
             repr(float(config.wait_timeout_s)), str(config.max_evictions_per_request)]
 
 
+class InFlightAlready(Exception):
+    """The offered request's id is in flight already (a duplicate: AdmissionLedger.request refuses it)."""
+
+
 class RedisStateStore(GatewayStateStore):
     poll_s = 0.25
     shares_budget = True
@@ -293,13 +291,16 @@ class RedisStateStore(GatewayStateStore):
                                     len(pairs), *pairs, *queues])
         self._notify(started=started)
 
-    async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float,
+    async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float, request_id: str = "",
                         ) -> tuple[EntitlementUsage, PoolUsage, str, int, float | None]:
         """The decision's snapshot, the pool's version, the entitlement's queue length and the start of its
-        oldest running request."""
+        oldest running request. Raises `InFlightAlready` when `request_id` is in flight."""
         _, pairs = _reserved_args(pool)
         raw = (await self._call("read", [self._base(pool.name)],
-                                [self._now(), limits.entitlement_id, *_bucket_args(limits), *pairs])).split(" ")
+                                [self._now(), limits.entitlement_id, *_bucket_args(limits), request_id,
+                                 *pairs])).split(" ")
+        if raw[19] == "1":
+            raise InFlightAlready(request_id)
         level = _float(raw[4])
         usage = EntitlementUsage(
             in_flight=int(_float(raw[0])), kv_bytes_in_flight=_float(raw[1]), running=int(_float(raw[2])),
@@ -332,19 +333,18 @@ class RedisStateStore(GatewayStateStore):
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
         quota: QuotaClaim | None = None,
     ) -> Offer:
+        # The quota sequence is apps.policy.quota_offer's (as AdmissionLedger._request_under_quota drives it).
         verdict = None if quota is None else await self._quota_reserve(quota)
-        if verdict is not None and quota is not None and not verdict.admitted:
-            demoted = demotion_claim(quota, verdict)
-            if demoted is not None:
-                return await self._offer_demoted(limits, pool, request, saturation, demoted, verdict)
-            decision = quota_refusal(verdict, quota)
-            if verdict.standing is None:  # the request id holds a reservation already
-                decision = decision._replace(reason=Reason.INVALID_REQUEST.value, retry_after_s=0.0)
-            return Offer(decision, None, RateView(), REJECTED, quota=verdict.standing)
+        if verdict is not None and quota is not None:
+            step = after_reserve(quota, verdict)
+            if step.demoted is not None:
+                return await self._offer_demoted(limits, pool, request, saturation, step.demoted, verdict)
+            if step.refusal is not None:
+                return Offer(step.refusal, None, RateView(), REJECTED, quota=verdict.standing)
         offer = await self._offer_settling(limits, pool, request, saturation, quota)
         if quota is None or verdict is None:
             return offer
-        if offer.state == REJECTED:
+        if refunds(offer.decision):
             await self._quota_settle(quota.scope, request.request_id, 0, 0)
             standings = await self.quota_standings(scope=quota.scope, charges=quota.charges)
             return replace(offer, quota=binding(standings))
@@ -374,13 +374,14 @@ class RedisStateStore(GatewayStateStore):
         tier, holding its share of the quotas that say `reject` (AdmissionLedger._request_demoted)."""
         if limits.state is not EntitlementState.BOUND:
             return await self._offer_settling(limits, pool, request, saturation, None)
-        held = claim if claim.charges else None
+        held = demoted_hold(claim)
         if held is not None:
             verdict = await self._quota_reserve(held)
-            if not verdict.admitted:
-                return Offer(quota_refusal(verdict, held), None, RateView(), REJECTED, quota=verdict.standing)
+            refusal = after_reserve(held, verdict).refusal
+            if refusal is not None:
+                return Offer(refusal, None, RateView(), REJECTED, quota=verdict.standing)
         offer = await self._offer_settling(limits, pool, request, saturation, held, demote=True)
-        if held is not None and offer.state == REJECTED:
+        if held is not None and refunds(offer.decision):
             await self._quota_settle(held.scope, request.request_id, 0, 0)
         if offer.reservation is not None:
             offer.reservation.quota_scope = None if held is None else held.scope
@@ -447,7 +448,13 @@ class RedisStateStore(GatewayStateStore):
         owner = limits
         for attempt in range(MAX_ATTEMPTS):
             limits = owner
-            usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(limits, pool, saturation)
+            try:
+                usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(
+                    limits, pool, saturation, request.request_id)
+            except InFlightAlready:
+                duplicate = AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
+                                              retryable=False, check=0)
+                return Offer(duplicate, None, RateView(), REJECTED)
             tier: EntitlementLimits | None = None
             if demote:
                 tier = owner.tier_limits(DEMOTED_CLASS)
@@ -525,18 +532,9 @@ class RedisStateStore(GatewayStateStore):
         )
         self._notify(started=raw[1])
         outcome = str(raw[0])
-        if reservation.quota_scope is not None:
-            # The quota is settled as the ledger settles it: a completed request at its prompt (as counted at
-            # admission unless reported) and its output up to max_tokens (all of it when unknown); a
-            # cancelled one at nothing; one evicted or expired before this release at what it was given.
-            if outcome == OUTCOME_COMPLETED:
-                prompt = reservation.input_tokens if prompt_tokens is None else prompt_tokens
-                output = reservation.max_tokens if completion_tokens is None else min(completion_tokens,
-                                                                                        reservation.max_tokens)
-            elif outcome == OUTCOME_CANCELLED:
-                prompt = output = 0
-            else:
-                prompt, output = prompt_tokens or 0, completion_tokens or 0
+        if reservation.quota_scope is not None:  # settled as the ledger settles it (apps.policy.quota_offer)
+            prompt, output = settlement(outcome, reservation.input_tokens, reservation.max_tokens, completion_tokens,
+                                        prompt_tokens)
             await self._quota_settle(reservation.quota_scope, reservation.request_id, prompt, output)
         return ReleaseResult(outcome, tuple(raw[1]), _float(raw[2]))
 
@@ -601,7 +599,8 @@ class RedisStateStore(GatewayStateStore):
     async def request_state(self, *, reservation: Reservation) -> str | None:
         values = await self.record_fields(pool=reservation.pool, field="state",
                                           records=[f"req:{reservation.request_id}"])
-        return values[0]
+        # An evicted request's record waits for its late release: it has left the state machine.
+        return values[0] if values[0] in (RUNNING, WAITING) else None
 
     # --- usage counted by the releases ------------------------------------------------------------------
 

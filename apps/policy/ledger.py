@@ -73,14 +73,22 @@ from apps.policy.queues import (
     within_own_limits,
 )
 from apps.policy.quota import QuotaBook, QuotaClaim, QuotaVerdict
-from apps.policy.tiers import DEMOTED_CLASS, demotion_claim, served_as, spills, tier_pool
+from apps.policy.quota_offer import (
+    OUTCOME_CANCELLED,
+    OUTCOME_COMPLETED,
+    after_reserve,
+    consumed,
+    demoted_hold,
+    quota_refusal,
+    refunds,
+    settlement,
+)
+from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
 from apps.policy.window import MIN_TICK_WINDOW_S, WindowReading, window_reading
 
 OUTCOME_REJECTED = "rejected"
-OUTCOME_COMPLETED = "completed"
 OUTCOME_EVICTED = "evicted"
 OUTCOME_EXPIRED = "expired"
-OUTCOME_CANCELLED = "cancelled"
 OUTCOME_UNKNOWN = "unknown"
 
 __all__ = [
@@ -98,6 +106,8 @@ __all__ = [
     "LedgerResult",
     "ReleaseResult",
     "WakeResult",
+    "quota_refusal",
+    "used_parts",
 ]
 
 
@@ -139,25 +149,9 @@ class LedgerCounters:
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
-def quota_refusal(verdict: QuotaVerdict, claim: QuotaClaim) -> AdmissionDecision:
-    """The rejection of a request its quota cannot fit: not retryable before the window resets."""
-    return AdmissionDecision(False, Reason.QUOTA_EXCEEDED.value, verdict.retry_after_s(claim.issued_at),
-                             retryable=False)
-
-
-def _count(value: float | None, default: int) -> int:
-    """A token count as reported (None or NaN: the default; never negative)."""
-    if isinstance(value, int | float) and value == value:
-        return int(max(value, 0))
-    return default
-
-
 def used_parts(record: RequestRecord, output_tokens: float | None, prompt_tokens: float | None) -> tuple[int, int]:
-    """What a finished request consumed of its charge: the prompt (as counted at admission unless the
-    backend reported it) and the output produced, clamped to `max_tokens`. A missing or NaN output
-    count is taken as the whole `max_tokens` (nothing is refunded on a guess)."""
-    produced = min(_count(output_tokens, record.max_tokens), record.max_tokens)
-    return _count(prompt_tokens, record.input_tokens), produced
+    """What a finished request consumed of its charge (`apps.policy.quota_offer.consumed`)."""
+    return consumed(record.input_tokens, record.max_tokens, output_tokens, prompt_tokens)
 
 
 class AdmissionLedger:
@@ -545,15 +539,15 @@ class AdmissionLedger:
         if request.request_id in self._requests:
             return self.request(entitlement_id, request, now, limits)  # rejected as a duplicate, quota untouched
         verdict = self.quotas.reserve(quota, now)
-        if not verdict.admitted:
-            demoted = demotion_claim(quota, verdict)
-            if demoted is not None:
-                return self._request_demoted(entitlement_id, request, now, limits, demoted, verdict)
+        step = after_reserve(quota, verdict)  # the sequence of apps.policy.quota_offer
+        if step.demoted is not None:
+            return self._request_demoted(entitlement_id, request, now, limits, step.demoted, verdict)
+        if step.refusal is not None:
             self.counters.offered += 1
-            rejected = self._rejected(None, quota_refusal(verdict, quota))
+            rejected = self._rejected(None, step.refusal)
             return LedgerResult(rejected.decision, quota=verdict)
         result = self.request(entitlement_id, request, now, limits)
-        if not (result.decision.admitted or result.decision.queued):
+        if refunds(result.decision):
             self.quotas.refund(request.request_id)
             verdict = self.quotas.verdict(quota)
         return LedgerResult(result.decision, result.started, result.evicted, verdict)
@@ -569,16 +563,18 @@ class AdmissionLedger:
         parent = limits if limits is not None else None if record is None else record.limits
         if parent is None or parent.state is not EntitlementState.BOUND:
             return self.request(entitlement_id, request, now, limits)  # refused by check 1, quota untouched
-        if claim.charges:
-            held = self.quotas.reserve(claim, now)
-            if not held.admitted:
+        hold = demoted_hold(claim)
+        if hold is not None:
+            held = self.quotas.reserve(hold, now)
+            refusal = after_reserve(hold, held).refusal
+            if refusal is not None:
                 self.counters.offered += 1
-                rejected = self._rejected(None, quota_refusal(held, claim))
+                rejected = self._rejected(None, refusal)
                 return LedgerResult(rejected.decision, quota=held)
         tier = parent.tier_limits(DEMOTED_CLASS)
         self._tier(tier, now)
         result = self.request(tier.entitlement_id, request, now, tier)
-        if claim.charges and not (result.decision.admitted or result.decision.queued):
+        if hold is not None and refunds(result.decision):
             self.quotas.refund(request.request_id)
         return LedgerResult(result.decision, result.started, result.evicted, exhausted)
 
@@ -592,7 +588,7 @@ class AdmissionLedger:
         of a request evicted before its release is settled here, at what it used."""
         entry = self._requests.get(request_id)
         if entry is None:
-            self.quotas.settle(request_id, _count(prompt_tokens, 0), _count(output_tokens, 0))
+            self.quotas.settle(request_id, *settlement(OUTCOME_UNKNOWN, 0, 0, output_tokens, prompt_tokens))
             return ReleaseResult(OUTCOME_UNKNOWN)
         if entry.own:
             self._leave_queue(entry)

@@ -4,7 +4,7 @@ gateway's Redis store (a real Redis), all on one fake clock. Each step returns a
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import astuple, replace
 from typing import Any
 
@@ -39,18 +39,21 @@ from tests.conformance.scenarios import (
     Tick,
     Usage,
 )
+from tests.conformance.transitions import Capacity, Leases, Race, Remove, Saturation
 
 POOL = "conformance"
 
 
-def pool_info(scenario: Scenario, entitlements: tuple[EntitlementLimits, ...]) -> PoolInfo:
+def pool_info(scenario: Scenario, entitlements: tuple[EntitlementLimits, ...], slots: int | None = None,
+              kv_capacity: float | None = None) -> PoolInfo:
     reserved = tuple(
         (e.entitlement_id, e.concurrency or 0, float(e.kv_bytes or 0.0))
         for e in entitlements if e.traits.reserved and e.state is EntitlementState.BOUND
     )
     return PoolInfo(
-        name=POOL, model_name="m", replica_urls=("http://backend",), concurrency_capacity=scenario.pool.slots,
-        kv_capacity=scenario.pool.kv_capacity, kv_bytes_per_token=0, context_window=4096,
+        name=POOL, model_name="m", replica_urls=("http://backend",),
+        concurrency_capacity=scenario.pool.slots if slots is None else slots,
+        kv_capacity=scenario.pool.kv_capacity if kv_capacity is None else kv_capacity, kv_bytes_per_token=0, context_window=4096,
         mean_slo_ms=scenario.pool.mean_slo_ms, reserved=reserved, entitlements=entitlements,
     )
 
@@ -110,6 +113,39 @@ def tick_figures(readings: Mapping[str, WindowReading]) -> dict[str, Any]:
     }
 
 
+def raced(observed: dict[str, Any]) -> dict[str, Any]:
+    """An offer of a `Race` without its quota standing: the late offer reserved its quota before the early one
+    (on the stale read), so where each stood then is not the ledger's, which offers them one after the other
+    (`QuotaState` steps compare where the quota stands after the race)."""
+    return {key: value for key, value in observed.items() if key != "quota"}
+
+
+class LeaseBook:
+    """Request leases as the Redis store keeps them (apps/gateway/lua/leases.lua), for the drivers whose state
+    lives in this process (the ledger, the in-process store): nothing there outlives its process, so a holder
+    that stops renewing is played by releasing its lapsed requests with their usage unknown, as the Redis
+    store's reap does."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self.deadlines: dict[str, float] = {}
+
+    def hold(self, request_id: str, now: float) -> None:
+        self.deadlines[request_id] = now + self.lease_s
+
+    def renew(self, request_ids: tuple[str, ...], now: float) -> None:
+        for request_id in request_ids:
+            if request_id in self.deadlines:
+                self.deadlines[request_id] = now + self.lease_s
+
+    def lapsed(self, now: float) -> list[str]:
+        """The lapsed leases, by deadline then id (the sorted set's order); forgotten from now on."""
+        due = sorted((deadline, request_id) for request_id, deadline in self.deadlines.items() if deadline <= now)
+        for _, request_id in due:
+            del self.deadlines[request_id]
+        return [request_id for _, request_id in due]
+
+
 class LedgerDriver:
     """`apps.policy.AdmissionLedger` driven directly: the definition the stores are held to."""
 
@@ -122,6 +158,7 @@ class LedgerDriver:
         for limits in scenario.entitlements:
             self.ledger.upsert_entitlement(limits, clock.now())
         self.quotas = Quotas(scenario, clock)
+        self.leases = LeaseBook(scenario.lease_s)
 
     async def stop(self) -> None:
         self.ledger.check_invariants()
@@ -130,9 +167,35 @@ class LedgerDriver:
         now, ledger = self.clock.now(), self.ledger
         if isinstance(step, Offer):
             result = ledger.request(step.ent, offered(step), now, quota=self.quotas.claim(step))
-            return {"state": ledger.request_state(step.rid) or "rejected", "started": result.started,
+            # a refused duplicate of a request in flight is rejected, whatever the state of the one in flight
+            decided = result.decision.admitted or result.decision.queued
+            state = ledger.request_state(step.rid) if decided else None
+            if state is not None:
+                self.leases.hold(step.rid, now)
+            return {"state": state or "rejected", "started": result.started,
                     "evicted": result.evicted, **decision_figures(result.decision),
                     "quota": standing_figures(None if result.quota is None else result.quota.standing)}
+        if isinstance(step, Race):  # decided one after the other: what the late one's second read sees
+            early = raced(await self.run(step.early))
+            return {"late": raced(await self.run(step.late)), "early": early}
+        # Who started is seen by `State` steps (a store's sync reports its starts to its waiting room only).
+        if isinstance(step, Capacity):
+            ledger.set_capacity(step.slots, now, step.kv_capacity)
+            return {}
+        if isinstance(step, Saturation):
+            ledger.set_saturation(step.value, now)
+            return {}
+        if isinstance(step, Remove):  # as the in-process store marks an entitlement gone from the snapshot
+            limits = ledger.limits(step.ent)
+            assert limits is not None
+            ledger.upsert_entitlement(replace(limits, state=EntitlementState.EXPIRED), now)
+            return {}
+        if isinstance(step, Leases):
+            self.leases.renew(step.renew, now)
+            reaped = [rid for rid in self.leases.lapsed(now) if ledger.request_state(rid) is not None]
+            for rid in reaped:
+                ledger.release(rid, now)
+            return {"reaped": len(reaped)}
         if isinstance(step, Bind):
             ledger.upsert_entitlement(step.limits, now)
             self.quotas.bind(step.limits)
@@ -168,6 +231,30 @@ class LedgerDriver:
         raise TypeError(step)
 
 
+class InterleavedRedisStore(RedisStateStore):
+    """The Redis store with a seam between an offer's read and its commit: `between` (once set) runs right
+    after the next read, so another store's offer can change the pool before this one commits; commits that
+    met a changed pool are counted (the compare-and-set failures the `Race` step must provoke)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.between: Callable[[], Awaitable[Any]] | None = None
+        self.stale_commits = 0
+
+    async def _snapshot(self, *args: Any, **kwargs: Any) -> Any:
+        snapshot = await super()._snapshot(*args, **kwargs)
+        between, self.between = self.between, None
+        if between is not None:
+            await between()
+        return snapshot
+
+    async def _call(self, name: str, keys: list[str], args: Any) -> Any:
+        raw = await super()._call(name, keys, args)
+        if name == "commit" and int(raw[0]) != 1:
+            self.stale_commits += 1
+        return raw
+
+
 class StoreDriver:
     """A gateway state store: the in-process one or the Redis one."""
 
@@ -178,36 +265,113 @@ class StoreDriver:
     def _store(self, clock: ManualClock) -> GatewayStateStore:
         if self.name == "memory":
             return MemoryStateStore(clock, config=CONFIG)
+        return self._redis_store(clock, InterleavedRedisStore)
+
+    def _redis_store(self, clock: ManualClock, kind: type[RedisStateStore] = RedisStateStore) -> RedisStateStore:
         assert self.redis_url is not None
-        return RedisStateStore(url=self.redis_url, clock=clock, config=CONFIG, prefix=f"tp:conf:{uuid.uuid4().hex}:")
+        return kind(url=self.redis_url, clock=clock, config=CONFIG, prefix=self.prefix,
+                    lease_s=self.scenario.lease_s)
 
     async def start(self, scenario: Scenario, clock: ManualClock) -> None:
         self.clock, self.scenario = clock, scenario
+        self.prefix = f"tp:conf:{uuid.uuid4().hex}:"
         self.store = self._store(clock)
-        self.pool = pool_info(scenario, scenario.entitlements)
+        # A second gateway process on the same Redis (`Race`), opened when a scenario needs it.
+        self.other: RedisStateStore | None = None
         self.limits = {limits.entitlement_id: limits for limits in scenario.entitlements}
+        self.removed: dict[str, EntitlementLimits] = {}
+        self.slots, self.kv_capacity, self.saturation = scenario.pool.slots, scenario.pool.kv_capacity, 0.0
+        self.pool = pool_info(scenario, scenario.entitlements)
         self.reservations: dict[str, Reservation] = {}
         self.quotas = Quotas(scenario, clock)
+        # The in-process store has no leases (nothing outlives its process): its holders' lapses are played.
+        self.leases = LeaseBook(scenario.lease_s) if self.name == "memory" else None
         await self.store.sync_pool(pool=self.pool)
 
     async def stop(self) -> None:
         await self.store.close()
+        if self.other is not None:
+            await self.other.close()
+
+    async def _sync(self) -> None:
+        self.pool = pool_info(self.scenario, tuple(self.limits.values()), self.slots, self.kv_capacity)
+        await self.store.sync_pool(pool=self.pool, saturation=self.saturation)
+
+    def _limits(self, name: str) -> EntitlementLimits:
+        return self.limits.get(name) or self.removed[name]
+
+    async def _offer(self, step: Offer, store: GatewayStateStore) -> dict[str, Any]:
+        offer = await store.offer(limits=self._limits(step.ent), pool=self.pool, request=offered(step),
+                                  saturation=self.saturation, quota=self.quotas.claim(step))
+        if offer.reservation is not None:
+            self.reservations[step.rid] = offer.reservation
+            if self.leases is not None:
+                self.leases.hold(step.rid, self.clock.now())
+        return {"state": offer.state, "started": offer.started, "evicted": offer.evicted,
+                **decision_figures(offer.decision), "quota": standing_figures(offer.quota)}
+
+    async def _race(self, step: Race) -> dict[str, Any]:
+        store = self.store
+        if not isinstance(store, InterleavedRedisStore):  # one process: the offers come one after the other
+            early = raced(await self._offer(step.early, store))
+            return {"late": raced(await self._offer(step.late, store)), "early": early}
+        if self.other is None:
+            self.other = self._redis_store(self.clock)
+            await self.other.sync_pool(pool=self.pool, saturation=self.saturation)
+        other = self.other
+        observed: dict[str, Any] = {}
+
+        async def early() -> None:
+            observed["early"] = await self._offer(step.early, other)
+
+        stale = store.stale_commits
+        store.between = early
+        late = await self._offer(step.late, store)
+        assert store.between is None and "early" in observed, "the late offer never read the pool"
+        if observed["early"]["state"] != "rejected" and late["state"] != "rejected":
+            assert store.stale_commits > stale, "the late offer's commit did not meet the changed pool"
+        return {"late": raced(late), "early": raced(observed["early"])}
+
+    async def _reap(self, step: Leases) -> dict[str, Any]:
+        store, now = self.store, self.clock.now()
+        if self.leases is None:
+            await store.leases_renew(pool=POOL, request_ids=list(step.renew))
+            return {"reaped": await store.leases_reap(pool=POOL)}
+        self.leases.renew(step.renew, now)
+        reaped = 0
+        for rid in self.leases.lapsed(now):
+            reservation = self.reservations[rid]
+            if await store.request_state(reservation=reservation) is not None:
+                await store.release(reservation=reservation)
+                reaped += 1
+        return {"reaped": reaped}
 
     async def run(self, step: Any) -> dict[str, Any]:
         store = self.store
         if isinstance(step, Offer):
-            offer = await store.offer(limits=self.limits[step.ent], pool=self.pool,
-                                      request=offered(step),
-                                      quota=self.quotas.claim(step))
-            if offer.reservation is not None:
-                self.reservations[step.rid] = offer.reservation
-            return {"state": offer.state, "started": offer.started, "evicted": offer.evicted,
-                    **decision_figures(offer.decision), "quota": standing_figures(offer.quota)}
+            return await self._offer(step, store)
+        if isinstance(step, Race):
+            return await self._race(step)
+        if isinstance(step, Capacity):
+            self.slots = step.slots
+            if step.kv_capacity is not None:
+                self.kv_capacity = step.kv_capacity
+            await self._sync()
+            return {}
+        if isinstance(step, Saturation):
+            self.saturation = step.value
+            await self._sync()
+            return {}
+        if isinstance(step, Remove):
+            self.removed[step.ent] = replace(self.limits.pop(step.ent), state=EntitlementState.EXPIRED)
+            await self._sync()
+            return {}
+        if isinstance(step, Leases):
+            return await self._reap(step)
         if isinstance(step, Bind):
             self.limits[step.limits.entitlement_id] = step.limits
             self.quotas.bind(step.limits)
-            self.pool = pool_info(self.scenario, tuple(self.limits.values()))
-            await store.sync_pool(pool=self.pool)
+            await self._sync()
             return {}
         if isinstance(step, NewWindow):
             self.quotas.roll(step.window_id)
@@ -238,6 +402,6 @@ class StoreDriver:
         if isinstance(step, Tick):
             return tick_figures(await store.tick(entitlements={POOL: tuple(self.limits.values())}))
         if isinstance(step, Usage):
-            usage = await store.entitlement_usage(limits=self.limits[step.ent], pool=POOL)
+            usage = await store.entitlement_usage(limits=self._limits(step.ent), pool=POOL)
             return {"in_flight": usage.in_flight, "running": usage.running, "tokens": usage.tokens_available}
         raise TypeError(step)

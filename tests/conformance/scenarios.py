@@ -148,6 +148,8 @@ class Scenario:
     quotas: tuple[tuple[str, tuple[QuotaCharge, ...]], ...] = ()
     # The lease of every quota hold (seconds; None: held until settled).
     quota_lease_s: float | None = None
+    # The lease of every request the store holds (seconds; its holder renews it: `Leases` steps).
+    lease_s: float = 10.0
     # A check of the whole trace (list of observations), e.g. debt rising then decaying.
     check: Callable[[list[dict[str, Any]]], None] | None = field(default=None, compare=False)
 

@@ -14,6 +14,7 @@ import pytest
 from apps.policy import ManualClock
 from tests.conformance.drivers import LedgerDriver, StoreDriver
 from tests.conformance.scenarios import SCENARIOS, At, Offer, Scenario, Usage
+from tests.conformance.transitions import TRANSITION_SCENARIOS, Race
 
 pytestmark = pytest.mark.conformance
 
@@ -41,6 +42,10 @@ async def _trace(driver: Any, scenario: Scenario) -> list[dict[str, Any]]:
 
 
 def _check_expectations(driver: str, index: int, step: Any, observed: dict[str, Any]) -> None:
+    if isinstance(step, Race):
+        _check_expectations(driver, index, step.late, observed["late"])
+        _check_expectations(driver, index, step.early, observed["early"])
+        return
     for attribute, keys in EXPECTED_FIELDS.items():
         wanted = getattr(step, attribute, None)
         if wanted is None:
@@ -75,7 +80,10 @@ def store_driver(request: pytest.FixtureRequest) -> StoreDriver:
     return StoreDriver("memory")
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+ALL_SCENARIOS = (*SCENARIOS, *TRANSITION_SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", ALL_SCENARIOS, ids=[s.name for s in ALL_SCENARIOS])
 def test_store_behaves_as_the_ledger(scenario: Scenario, store_driver: StoreDriver) -> None:
     reference = asyncio.run(_trace(LedgerDriver(), scenario))
     observed = asyncio.run(_trace(store_driver, scenario))

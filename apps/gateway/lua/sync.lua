@@ -10,6 +10,19 @@ local reserved = {}
 for i = 9, 8 + count do table.insert(reserved, ARGV[i]) end
 local pool = pool_config(now, ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], reserved)
 pool.res_sig = tonumber(ARGV[7])
+local listed = {}
+for i = 9 + count, #ARGV, 3 do listed[ARGV[i]] = true end
+-- An entitlement gone from the pool (deleted, moved) is no longer bound: nothing leaves its queue (its waiters
+-- expire), as the in-process store marks it expired.
+for _, ent in ipairs(redis.call('ZRANGE', QENTS, 0, -1)) do
+  if not listed[ent] then
+    local e = load(ent_key(ent))
+    if field(e, 'bound') ~= 0 then
+      e.bound = 0
+      touch(e)
+    end
+  end
+end
 for i = 9 + count, #ARGV, 3 do
   local e = load(ent_key(ARGV[i]))
   if not e._new then
