@@ -37,6 +37,23 @@ from redis.exceptions import (
 # Cluster errors that mean the slot's primary is away or being replaced (a failover): the gateway answers
 # 503 state_store_unavailable and the next request finds the new primary.
 FAILOVER_ERRORS = (ClusterDownError, ClusterError, MasterDownError, SlotNotCoveredError, TryAgainError)
+
+
+def connection_race(exc: BaseException) -> bool:
+    """A connection torn down under a write (a node killed, or the cluster client dropping a node's connections
+    after another call failed) leaks from redis-py's asyncio connection as AttributeError or TypeError instead
+    of ConnectionError (redis/redis-py#4287, #3546; fix proposed in #4217): that is the store away, not a bug
+    of ours, when the error was raised inside redis-py's connection code."""
+    if not isinstance(exc, AttributeError | TypeError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("redis/asyncio/connection.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 # How often a cluster call is tried again on a connection error or a redirect (each after rereading the
 # cluster's slots): few, so that a request to a pool whose primary died answers 503 in well under a second
 # instead of waiting out the failover.

@@ -136,7 +136,7 @@ def _store_failure(exc: BaseException) -> StateStoreUnavailable | None:
                                                 and "No connection available" in text):
         return StateStoreBusy(f"Redis busy (no free connection: {text})")
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, ReadOnlyError,
-                        *redis_cluster.FAILOVER_ERRORS)):
+                        *redis_cluster.FAILOVER_ERRORS)) or redis_cluster.connection_race(exc):
         return StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})")
     if isinstance(exc, ResponseError) and text.startswith("BUSY"):
         return StateStoreBusy(f"Redis busy ({text})")
@@ -280,7 +280,7 @@ class RedisStateStore(GatewayStateStore):
         """Await a call to Redis; its failures as the gateway reads them (`_store_failure`), the one place."""
         try:
             return await operation
-        except (RedisError, OSError, redis_cluster.SlotNotCoveredError) as exc:
+        except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError) as exc:
             error = _store_failure(exc)
             if error is None:
                 raise
@@ -659,7 +659,9 @@ class RedisStateStore(GatewayStateStore):
                             self._notify(gone=[request_id], remember=True)
                         elif kind == "e":
                             self._notify(evicted=[request_id])
-            except (RedisError, OSError, redis_cluster.SlotNotCoveredError):
+            except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError) as exc:
+                if isinstance(exc, AttributeError | TypeError) and not redis_cluster.connection_race(exc):
+                    raise
                 await asyncio.sleep(1.0)  # Redis (or this node) away: subscribe again when one answers
 
     # --- the pool budget shared by every gateway process -----------------------------------------------
