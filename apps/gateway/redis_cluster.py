@@ -29,6 +29,7 @@ from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     MasterDownError,
+    RedisClusterException,
     RedisError,
     SlotNotCoveredError,
     TryAgainError,
@@ -41,10 +42,10 @@ FAILOVER_ERRORS = (ClusterDownError, ClusterError, MasterDownError, SlotNotCover
 
 def connection_race(exc: BaseException) -> bool:
     """A connection torn down under a write (a node killed, or the cluster client dropping a node's connections
-    after another call failed) leaks from redis-py's asyncio connection as AttributeError or TypeError instead
-    of ConnectionError (redis/redis-py#4287, #3546; fix proposed in #4217): that is the store away, not a bug
-    of ours, when the error was raised inside redis-py's connection code."""
-    if not isinstance(exc, AttributeError | TypeError):
+    after another call failed) leaks from redis-py's asyncio connection as AttributeError, TypeError or
+    RuntimeError ("the handler is closed") instead of ConnectionError (redis/redis-py#4287, #3546; fix
+    proposed in #4217): that is the store away, not a bug of ours, when raised inside redis-py's connection."""
+    if not isinstance(exc, AttributeError | TypeError | RuntimeError):
         return False
     tb = exc.__traceback__
     while tb is not None:
@@ -60,10 +61,24 @@ def connection_race(exc: BaseException) -> bool:
 CLUSTER_RETRIES = 3
 
 
+class StateCluster(RedisCluster):
+    """redis-py's cluster client, routing FCALL by its keys without asking a node: the stock client sends
+    COMMAND GETKEYS for every FCALL (it does so only for commands whose keys it cannot find itself, and it
+    special-cases EVAL but not FCALL), one more round trip per transition."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        if command.upper() in ("FCALL", "FCALL_RO") and len(args) >= 2 and int(args[1]) > 0:
+            slots = {self.keyslot(key) for key in args[2: 2 + int(args[1])]}
+            if len(slots) != 1:
+                raise RedisClusterException(f"{command} {args[0]}: all keys must map to one slot")
+            return slots.pop()
+        return int(await super()._determine_slot(command, *args))
+
+
 def cluster_client(url: str, *, socket_timeout_s: float, max_connections: int) -> RedisCluster:
     """A cluster client from any node's URL (the others are discovered). `require_full_coverage=False`: a
     slot without a primary (during a failover) must not stop the client from serving the other slots."""
-    return RedisCluster.from_url(
+    return StateCluster.from_url(
         url, decode_responses=True, socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s,
         require_full_coverage=False, max_connections=max_connections,
         retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=CLUSTER_RETRIES),

@@ -280,7 +280,8 @@ class RedisStateStore(GatewayStateStore):
         """Await a call to Redis; its failures as the gateway reads them (`_store_failure`), the one place."""
         try:
             return await operation
-        except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError) as exc:
+        except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError,
+                RuntimeError) as exc:
             error = _store_failure(exc)
             if error is None:
                 raise
@@ -659,8 +660,10 @@ class RedisStateStore(GatewayStateStore):
                             self._notify(gone=[request_id], remember=True)
                         elif kind == "e":
                             self._notify(evicted=[request_id])
-            except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError) as exc:
-                if isinstance(exc, AttributeError | TypeError) and not redis_cluster.connection_race(exc):
+            except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError,
+                    RuntimeError) as exc:
+                if not isinstance(exc, RedisError | OSError | redis_cluster.SlotNotCoveredError) and (
+                        not redis_cluster.connection_race(exc)):
                     raise
                 await asyncio.sleep(1.0)  # Redis (or this node) away: subscribe again when one answers
 

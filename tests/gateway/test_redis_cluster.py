@@ -79,7 +79,10 @@ def test_four_gateway_processes_on_the_cluster_never_admit_past_concurrency(
           f"({len(target.answers) / elapsed:.0f}/s) over 4 processes, statuses {dict(statuses)}, "
           f"backend peaks {peaks} (entitlement concurrency {CONCURRENCY})")
     assert len(target.answers) == requests
-    assert set(statuses) <= {200, 429}, statuses
+    # 429: a queue wait past the acquire timeout; 503 (the store slower than its socket timeout on a loaded
+    # machine) may happen, rarely; a 500 never.
+    assert set(statuses) <= {200, 429, 503}, statuses
+    assert statuses[503] <= requests // 100, statuses
     for pool in target.pools:
         assert peaks[pool] <= CONCURRENCY, f"{pool}: {peaks[pool]} at once against a concurrency of {CONCURRENCY}"
         assert peaks[pool] == CONCURRENCY  # the limit was reached: the clients did contend
@@ -143,3 +146,44 @@ def test_a_primary_killed_under_load_costs_its_pools_a_failover_and_nothing_else
         assert any(a.pool == other and a.status == 200 and killed_at < a.sent and a.at < killed_at + gap
                    for a in after), other
     assert all(counts == [0, 0, 0] for counts in held.values()), held
+
+
+def test_a_node_without_the_library_gets_it_again(redis_cluster: Any) -> None:
+    """FUNCTION FLUSH on every primary (a node that joined empty): the next call answers "Function not found",
+    the store loads the library on every primary and the call goes through; every primary has it after."""
+
+    async def libraries(store: RedisStateStore) -> list[int]:
+        return [len(await store.redis.execute_command("FUNCTION LIST", target_nodes=node))
+                for node in store.redis.get_primaries()]
+
+    async def run() -> tuple[list[int], int, list[int]]:
+        store = RedisStateStore(url=redis_cluster.url, cluster=True, prefix="tp:reload:")
+        try:
+            await store.pool_running(pool="reload")
+            await store.redis.function_flush()  # routed to every primary
+            flushed = await libraries(store)
+            running = await store.pool_running(pool="reload")
+            return flushed, running, await libraries(store)
+        finally:
+            await store.close()
+
+    flushed, running, loaded = asyncio.run(run())
+    assert flushed == [0, 0, 0]
+    assert running == 0
+    assert loaded == [1, 1, 1]
+
+
+def test_the_state_store_has_a_redis_of_its_own_when_named(settings: Any) -> None:
+    """GATEWAY_REDIS_URL names the store's Redis (REDIS_URL stays Celery's and the channel layer's); without it
+    the store shares REDIS_URL."""
+    from apps.gateway.config import GatewayConfig
+
+    settings.REDIS_URL = "redis://127.0.0.1:6999/0"
+    settings.GATEWAY_REDIS_URL = ""
+    settings.GATEWAY_REDIS_CLUSTER = False
+    assert (GatewayConfig.from_settings().redis_url, GatewayConfig.from_settings().redis_cluster) == (
+        "redis://127.0.0.1:6999/0", False)
+    settings.GATEWAY_REDIS_URL = "redis://127.0.0.1:7000"
+    settings.GATEWAY_REDIS_CLUSTER = True
+    config = GatewayConfig.from_settings()
+    assert (config.redis_url, config.redis_cluster) == ("redis://127.0.0.1:7000", True)
