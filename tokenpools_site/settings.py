@@ -123,7 +123,12 @@ CELERY_TASK_IGNORE_RESULT = True
 # The defaults are GatewayConfig's own field defaults (tests/tokenpools_site/test_settings.py holds them equal).
 
 # State store: in-process unless Redis is configured (one interface, two implementations).
-GATEWAY_STATE_BACKEND = env_choice("GATEWAY_STATE_BACKEND", "redis" if REDIS_URL else "memory", ("memory", "redis"))
+# The gateway's state may live on a Redis of its own (a Redis Cluster with GATEWAY_REDIS_CLUSTER); empty: REDIS_URL.
+# Celery, the channel layer, the cache and the control loops' state stay on REDIS_URL.
+GATEWAY_REDIS_URL = env_str("GATEWAY_REDIS_URL", "")
+GATEWAY_REDIS_CLUSTER = env_bool("GATEWAY_REDIS_CLUSTER", False)
+GATEWAY_STATE_BACKEND = env_choice("GATEWAY_STATE_BACKEND", "redis" if GATEWAY_REDIS_URL or REDIS_URL else "memory",
+                                   ("memory", "redis"))
 GATEWAY_FAIL_OPEN = env_bool("GATEWAY_FAIL_OPEN", False)
 GATEWAY_MAX_BODY_BYTES = env_int("GATEWAY_MAX_BODY_BYTES", 1_048_576, at_least=1)
 GATEWAY_MAX_TOKENS_LIMIT = env_int("GATEWAY_MAX_TOKENS_LIMIT", 1_000_000, at_least=1)

@@ -601,7 +601,7 @@ def _shared_store() -> Any:
         return None
     from apps.gateway.redis_state import RedisStateStore
 
-    return RedisStateStore(url=config.redis_url)
+    return RedisStateStore(url=config.redis_url, cluster=config.redis_cluster)
 
 
 async def telemetry_sample_pool(*, pool: str, now: float | None = None, gateway: Any = None,

@@ -138,11 +138,11 @@ class Gateway:
             from apps.gateway.redis_state import RedisStateStore
 
             if not self.config.redis_url:
-                raise RuntimeError("GATEWAY_STATE_BACKEND=redis needs REDIS_URL")
+                raise RuntimeError("GATEWAY_STATE_BACKEND=redis needs GATEWAY_REDIS_URL or REDIS_URL")
             return RedisStateStore(url=self.config.redis_url, config=self.config.admission_config(),
                                    dynamics_config=self.config.dynamics_config(), lease_s=self.config.lease_s,
                                    max_connections=self.config.redis_max_connections,
-                                   pool_timeout_s=self.config.redis_pool_timeout_s)
+                                   pool_timeout_s=self.config.redis_pool_timeout_s, cluster=self.config.redis_cluster)
         return MemoryStateStore(config=self.config.admission_config(), dynamics_config=self.config.dynamics_config())
 
     async def stop(self, *, grace_s: float = 5.0) -> None:

@@ -18,6 +18,7 @@ from apps.policy import AdmissionConfig, Dimension, DynamicsConfig
 # Field -> the Django setting it is read from (GatewayConfig.from_settings).
 SETTING_NAMES: dict[str, str] = {
     "redis_url": "REDIS_URL",
+    "redis_cluster": "GATEWAY_REDIS_CLUSTER",
     "state_backend": "GATEWAY_STATE_BACKEND",
     "fail_open": "GATEWAY_FAIL_OPEN",
     "max_body_bytes": "GATEWAY_MAX_BODY_BYTES",
@@ -46,7 +47,10 @@ SETTING_NAMES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class GatewayConfig:
+    # The state store's Redis: GATEWAY_REDIS_URL, else REDIS_URL (`from_settings`); a Redis Cluster when
+    # `redis_cluster` (GATEWAY_REDIS_CLUSTER; the URL is any of its nodes).
     redis_url: str = ""
+    redis_cluster: bool = False
     state_backend: str = "memory"
     fail_open: bool = False
     max_body_bytes: int = 1_048_576
@@ -103,5 +107,7 @@ class GatewayConfig:
     def from_settings(cls, **overrides: Any) -> GatewayConfig:
         """The configuration from `django.conf.settings`, with `overrides` (field names) on top."""
         values: dict[str, Any] = {name: getattr(settings, setting) for name, setting in SETTING_NAMES.items()}
+        # The store's own Redis when one is named, else the site's (Celery and the channel layer stay there).
+        values["redis_url"] = getattr(settings, "GATEWAY_REDIS_URL", "") or values["redis_url"]
         values.update(overrides)
         return cls(**values)

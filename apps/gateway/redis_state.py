@@ -36,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from apps.gateway import redis_cluster
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
     REJECTED,
@@ -128,7 +129,8 @@ def _store_failure(exc: BaseException) -> StateStoreUnavailable | None:
     if isinstance(exc, MaxConnectionsError) or (isinstance(exc, RedisConnectionError)
                                                 and "No connection available" in text):
         return StateStoreBusy(f"Redis busy (no free connection: {text})")
-    if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError | ReadOnlyError):
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, ReadOnlyError,
+                        *redis_cluster.FAILOVER_ERRORS)) or redis_cluster.connection_race(exc):
         return StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})")
     if isinstance(exc, ResponseError) and text.startswith("BUSY"):
         return StateStoreBusy(f"Redis busy ({text})")
@@ -212,7 +214,7 @@ class RedisStateStore(GatewayStateStore):
         self, *, url: str = "", socket_timeout_s: float = 1.0, client: aioredis.Redis | None = None,
         prefix: str = PREFIX, clock: Clock | None = None, config: AdmissionConfig = DEFAULT_ADMISSION_CONFIG,
         dynamics_config: DynamicsConfig | None = None, lease_s: float = 10.0,
-        max_connections: int = MAX_CONNECTIONS, pool_timeout_s: float = POOL_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS, pool_timeout_s: float = POOL_TIMEOUT_S, cluster: bool = False,
     ) -> None:
         super().__init__()
         self.prefix = prefix
@@ -222,10 +224,13 @@ class RedisStateStore(GatewayStateStore):
         self.lease_s = lease_s
         # Short socket timeouts: an unreachable store must turn into a fast 503, not a hung request. One
         # blocking pool: a burst of requests waits for a free connection instead of failing for want of one.
-        self.redis = client or aioredis.Redis(connection_pool=FastBlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=pool_timeout_s, socket_connect_timeout=socket_timeout_s,
-            socket_timeout=socket_timeout_s, decode_responses=True, health_check_interval=30,
-        ))
+        # On a cluster (`apps.gateway.redis_cluster`): a pool of connections per node, calls routed by key.
+        self.redis: Any = client or (redis_cluster.cluster_client(
+            url, socket_timeout_s=socket_timeout_s, max_connections=max_connections) if cluster
+            else aioredis.Redis(connection_pool=FastBlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=pool_timeout_s,
+                socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s, decode_responses=True,
+                health_check_interval=30)))
         self._library, self._version = function_library()
         self._queue_arg_cache: dict[int, tuple[EntitlementLimits, str]] = {}
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
@@ -264,15 +269,17 @@ class RedisStateStore(GatewayStateStore):
         except ResponseError as exc:
             if "function not found" not in str(exc).lower():
                 raise
-            # A Redis that never saw this release's library, or lost it (restarted without its data).
-            await self.redis.function_load(self._library, replace=True)
+            # A Redis that never saw this release's library, or lost it (restarted without its data; on a
+            # cluster, a node that joined without it): loaded again (every primary), then the call again.
+            await redis_cluster.load_library(self.redis, self._library)
             return await self.redis.fcall(function, len(keys), *keys, *args)
 
     async def _redis(self, operation: Any) -> Any:
         """Await a call to Redis; its failures as the gateway reads them (`_store_failure`), the one place."""
         try:
             return await operation
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError,
+                RuntimeError) as exc:
             error = _store_failure(exc)
             if error is None:
                 raise
@@ -639,25 +646,25 @@ class RedisStateStore(GatewayStateStore):
         """Started (`s:`), expired (`x:`) and evicted (`e:`) notices of every process, to this one's waiters
         and victims; resubscribes when Redis comes back."""
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(EVENTS)
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is None or message.get("type") != "message":
-                        continue
-                    kind, _, request_id = str(message["data"]).partition(":")
-                    if kind == "s":
-                        self._notify(started=[request_id], remember=True)
-                    elif kind == "x":
-                        self._notify(gone=[request_id], remember=True)
-                    elif kind == "e":
-                        self._notify(evicted=[request_id])
-            except (RedisError, OSError):
-                await asyncio.sleep(1.0)  # Redis away: subscribe again when it is back
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                async with redis_cluster.subscription(self.redis, EVENTS) as pubsub:
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        if message is None or message.get("type") != "message":
+                            continue
+                        kind, _, request_id = str(message["data"]).partition(":")
+                        if kind == "s":
+                            self._notify(started=[request_id], remember=True)
+                        elif kind == "x":
+                            self._notify(gone=[request_id], remember=True)
+                        elif kind == "e":
+                            self._notify(evicted=[request_id])
+            except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError,
+                    RuntimeError) as exc:
+                if not isinstance(exc, RedisError | OSError | redis_cluster.SlotNotCoveredError) and (
+                        not redis_cluster.connection_race(exc)):
+                    raise
+                await asyncio.sleep(1.0)  # Redis (or this node) away: subscribe again when one answers
 
     # --- the pool budget shared by every gateway process -----------------------------------------------
 
@@ -676,10 +683,10 @@ class RedisStateStore(GatewayStateStore):
 
     async def ping(self, *, timeout_s: float) -> None:
         # Through this store's own pool: a pool exhausted by requests is as unready as a Redis that is away.
-        await asyncio.wait_for(self.redis.ping(), timeout_s)
+        await asyncio.wait_for(redis_cluster.ping(self.redis), timeout_s)
 
     async def close(self) -> None:
-        await self.redis.aclose(close_connection_pool=True)
+        await redis_cluster.close(self.redis)
 
 
 def _usage_minute(usage: UsageKey) -> str:

@@ -103,11 +103,11 @@ def with_gateway_store(fn: Callable[[Any], Coroutine[Any, Any, T]], local: Store
     config = GatewayConfig.from_settings()
     if config.state_backend == "redis":
         if not config.redis_url:
-            raise StoreUnavailable("GATEWAY_STATE_BACKEND=redis needs REDIS_URL")
+            raise StoreUnavailable("GATEWAY_STATE_BACKEND=redis needs GATEWAY_REDIS_URL or REDIS_URL")
 
         async def run() -> T:
             store = RedisStateStore(url=config.redis_url, config=config.admission_config(),
-                                    dynamics_config=config.dynamics_config())
+                                    dynamics_config=config.dynamics_config(), cluster=config.redis_cluster)
             try:
                 return await fn(store)
             finally:
