@@ -18,6 +18,7 @@ from apps.policy import ManualClock
 from tests.conformance.drivers import CONFIG, LedgerDriver, StoreDriver
 from tests.conformance.scenarios import SCENARIOS, Scenario
 from tests.conformance.test_conformance import _same, _trace
+from tests.conformance.transitions import TRANSITION_SCENARIOS
 from tests.support.cluster_load import CONCURRENCY, cluster_site, load
 from tests.support.redis_cluster import slot_of
 
@@ -25,17 +26,19 @@ pytestmark = pytest.mark.redis
 
 
 class ClusterDriver(StoreDriver):
-    """The Redis store on the cluster, each scenario under a prefix of its own."""
+    """The Redis store on the cluster, each scenario under a prefix of its own (a second gateway process for a
+    `Race` step on the cluster too)."""
 
-    def _store(self, clock: ManualClock) -> Any:
-        import uuid
-
+    def _redis_store(self, clock: ManualClock, kind: type[RedisStateStore] = RedisStateStore) -> RedisStateStore:
         assert self.redis_url is not None
-        return RedisStateStore(url=self.redis_url, clock=clock, config=CONFIG, cluster=True,
-                               prefix=f"tp:conf:{uuid.uuid4().hex}:")
+        return kind(url=self.redis_url, clock=clock, config=CONFIG, cluster=True, prefix=self.prefix,
+                    lease_s=self.scenario.lease_s)
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+ALL_SCENARIOS = (*SCENARIOS, *TRANSITION_SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", ALL_SCENARIOS, ids=[s.name for s in ALL_SCENARIOS])
 def test_cluster_store_behaves_as_the_ledger(scenario: Scenario, redis_cluster: Any) -> None:
     reference = asyncio.run(_trace(LedgerDriver(), scenario))
     observed = asyncio.run(_trace(ClusterDriver("redis-cluster", redis_cluster.url), scenario))
