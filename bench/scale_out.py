@@ -1,7 +1,7 @@
 """Scale-out figures: 1, 2 and 4 gateway processes (`manage.py serve --workers N`) on one Redis and on a
 real Redis Cluster (3 primaries, 3 replicas), in front of the instant nginx upstream of `bench.gateway`.
 
-    python -m bench.scale_out [--duration 6] [--workers 1 2 4] [--concurrency 64] [--paced-rate 200]
+    python -m bench.scale_out [--duration 6] [--rounds 3] [--workers 1 2 4] [--concurrency 64] [--paced-rate 200]
                               [--gateway-cores 0] [--write-results]
 
 Three pools whose hash tags fall on the three primaries (the same pools on one Redis), one roomy dedicated
@@ -10,7 +10,8 @@ entitlement each; wrk cycles its requests over the three (model, key) pairs. Per
   of `bench.gateway`'s paced load: 32 streams together offering `--paced-rate` requests/s (Poisson);
 - Redis calls per request: INFO commandstats on every primary before and after each measurement (all
   commands but our own INFO), divided by the requests wrk completed; with the commands' own time
-  (usec, the Redis thread's time inside commands) per request;
+  (usec of the commands the gateway sent, an FCALL's including what it ran: the Redis thread's time) per
+  request;
 - CPU per request of the gateway processes (/proc utime+stime of the serve process group) and of the
   store's Redis processes (INFO cpu), over the closed loop: what a capacity plan divides a core by.
 
@@ -27,12 +28,13 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import httpx
@@ -186,7 +188,8 @@ def redis_snapshot(ports: list[int]) -> RedisSnapshot:
             if command == "info":
                 continue  # ours
             calls[command] = calls.get(command, 0) + int(stat["calls"])
-            usec += float(stat["usec"])
+            if command not in INNER:  # an FCALL's time includes the commands it ran: count those once
+                usec += float(stat["usec"])
         cpu += float(used["used_cpu_user"]) + float(used["used_cpu_sys"])
     return RedisSnapshot(calls, usec, cpu)
 
@@ -200,6 +203,9 @@ def script_commands() -> set[str]:
     return found
 
 
+INNER = script_commands()
+
+
 @dataclass
 class Target:
     store: str
@@ -210,12 +216,24 @@ class Target:
 
 
 def measure(target: Target, workers: int, args: argparse.Namespace, workdir: Path, direct: WrkResult) -> Row:
-    chat = f"{target.url}/v1/chat/completions"
+    """`--rounds` rounds of the closed loop then the paced load on one running site; each figure the median."""
     for model, key in target.pairs:
         _check_ok(target.url, key, model)
+    closed = wrk_script(workdir, target.pairs, None)
+    run_wrk(f"{target.url}/v1/chat/completions", closed, 8, 2)  # warm-up: every worker's connections, lazy imports
+    rounds = [measure_round(target, workers, args, workdir, direct) for _ in range(args.rounds)]
+    medians = {f.name: statistics.median(getattr(r, f.name) for r in rounds) for f in fields(Row)[2:-3]}
+    row = replace(rounds[len(rounds) // 2], **medians, non_2xx=sum(r.non_2xx for r in rounds),
+                  errors=sum(r.errors for r in rounds))
+    if args.rounds > 1:
+        print(f"  median of {args.rounds}: {row}", file=sys.stderr)
+    return row
+
+
+def measure_round(target: Target, workers: int, args: argparse.Namespace, workdir: Path, direct: WrkResult) -> Row:
+    chat = f"{target.url}/v1/chat/completions"
     closed, paced = wrk_script(workdir, target.pairs, None), wrk_script(
         workdir, target.pairs, PACED_STREAMS / args.paced_rate * 1000)
-    run_wrk(chat, closed, 8, 2)  # warm-up: connections of every worker, lazy imports, the Redis functions
     before, cpu_before = redis_snapshot(target.redis_ports), group_cpu_s(target.pgid)
     loop = run_wrk(chat, closed, args.concurrency, args.duration)
     after, cpu_after = redis_snapshot(target.redis_ports), group_cpu_s(target.pgid)
@@ -223,9 +241,8 @@ def measure(target: Target, workers: int, args: argparse.Namespace, workdir: Pat
     n = max(loop.requests, 1)
     commands = {c: (after.calls.get(c, 0) - before.calls.get(c, 0)) / n for c in after.calls}
     commands = {c: v for c, v in sorted(commands.items(), key=lambda kv: -kv[1]) if v > 0}
-    inner = script_commands()
     row = Row(target.store, workers, loop.requests_per_s, pace.p50_ms - direct.p50_ms, pace.p99_ms - direct.p99_ms,
-              sum(commands.values()), sum(v for c, v in commands.items() if c not in inner),
+              sum(commands.values()), sum(v for c, v in commands.items() if c not in INNER),
               commands.get("fcall", 0.0), (after.usec - before.usec) / n,
               (after.cpu_s - before.cpu_s) * 1000 / n, (cpu_after - cpu_before) * 1000 / n,
               loop.non_2xx + pace.non_2xx, loop.errors + pace.errors, commands)
@@ -284,7 +301,7 @@ def report(rows: list[Row], direct: WrkResult, args: argparse.Namespace, argv: l
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         f"Three pools, one per cluster primary (the same three on one Redis), requests cycled over them. req/s: "
-        f"closed loop at {args.concurrency} streams, {args.duration} s. Added p50/p99: {PACED_STREAMS} streams "
+        f"closed loop at {args.concurrency} streams, {args.duration} s, median of {args.rounds} round(s). Added p50/p99: {PACED_STREAMS} streams "
         f"paced at {args.paced_rate:g} req/s, minus nginx direct (p50 {direct.p50_ms:.2f} ms, p99 "
         f"{direct.p99_ms:.2f} ms). Redis calls, command time (usec inside commands) and Redis CPU: every primary's "
         "INFO commandstats / INFO cpu around the closed loop, per request. Gateway CPU: all serve processes.",
@@ -313,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="gateway processes per row")
     parser.add_argument("--concurrency", type=int, default=64, help="closed-loop streams")
     parser.add_argument("--paced-rate", type=float, default=200.0, help=f"requests/s of the {PACED_STREAMS} paced streams")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per row (figures: their median)")
     parser.add_argument("--gateway-cores", default="0", help="taskset core list of the gateway processes")
     parser.add_argument("--stores", nargs="+", default=["one Redis", "Redis Cluster"],
                         choices=["one Redis", "Redis Cluster"])
