@@ -295,7 +295,7 @@ def _pin_pids(pids: list[int]) -> None:
 
 def report(rows: list[Row], direct: WrkResult, args: argparse.Namespace, argv: list[str]) -> str:
     lines = [
-        f"Command: `python -m bench.scale_out {' '.join(argv)}`  ",
+        f"Command: `{' '.join(['python -m bench.scale_out', *argv])}`  ",
         f"Machine: {machine_description()}; gateway processes share core(s) {args.gateway_cores}, nginx + Redis "
         "+ wrk on core 1, so more processes compete for the same core(s)  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
