@@ -303,19 +303,21 @@ def report(rows: list[Row], direct: WrkResult, args: argparse.Namespace, argv: l
         f"Three pools, one per cluster primary (the same three on one Redis), requests cycled over them. req/s: "
         f"closed loop at {args.concurrency} streams, {args.duration} s, median of {args.rounds} round(s). Added p50/p99: {PACED_STREAMS} streams "
         f"paced at {args.paced_rate:g} req/s, minus nginx direct (p50 {direct.p50_ms:.2f} ms, p99 "
-        f"{direct.p99_ms:.2f} ms). Redis calls, command time (usec inside commands) and Redis CPU: every primary's "
-        "INFO commandstats / INFO cpu around the closed loop, per request. Gateway CPU: all serve processes.",
+        f"{direct.p99_ms:.2f} ms). Redis calls, command time (usec of the commands the gateway sent, "
+        "wall time on the Redis thread) and Redis CPU: every primary's INFO commandstats / INFO cpu around the closed "
+        "loop, per request. Gateway CPU: all serve processes; cores busy = req/s x gateway CPU per request.",
         "",
         "| store | gateway processes | req/s | added p50 ms | added p99 ms | Redis calls/req | round trips/req "
-        "(FCALL) | Redis command us/req | Redis CPU ms/req | gateway CPU ms/req | non-2xx | socket errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(FCALL) | Redis command us/req | Redis CPU ms/req | gateway CPU ms/req | gateway cores busy | non-2xx | socket errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.store} | {r.workers} | {r.requests_per_s:.0f} | {r.added_p50_ms:.2f} | {r.added_p99_ms:.2f} "
             f"| {r.calls_per_request:.1f} | {r.round_trips_per_request:.2f} ({r.fcalls_per_request:.2f}) "
             f"| {r.redis_usec_per_request:.0f} "
-            f"| {r.redis_cpu_ms_per_request:.3f} | {r.gateway_cpu_ms_per_request:.2f} | {r.non_2xx} | {r.errors} |")
+            f"| {r.redis_cpu_ms_per_request:.3f} | {r.gateway_cpu_ms_per_request:.2f} "
+            f"| {r.requests_per_s * r.gateway_cpu_ms_per_request / 1000:.2f} | {r.non_2xx} | {r.errors} |")
     lines += ["", "Redis calls counts the commands run inside the functions too (INFO commandstats does); round "
               "trips are the commands the gateway sent. Calls per request by command (0.01 and above): " + "; ".join(
                   f"{r.store} x{r.workers}: " + ", ".join(f"{c} {v:.2f}" for c, v in r.commands.items() if v >= 0.005)
