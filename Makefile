@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-guidellm bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -129,6 +129,10 @@ bench-engine-recall: venv
 # The attacks of issue 22 against `serve --workers 2` on Redis, each with what came back (bench/RESULTS.md).
 bench-security: venv system-deps
 	$(BIN)/python -m bench.security --write-results
+
+# 1, 2 and 4 gateway processes on one Redis and on a Redis Cluster: req/s, added latency, Redis calls and CPU per request.
+bench-scale-out: venv system-deps
+	$(BIN)/python -m bench.scale_out --write-results
 
 bench-gateway: venv system-deps litellm-venv
 	$(BIN)/python -m bench.gateway --write-results $(if $(BASELINE),--baseline $(BASELINE))
