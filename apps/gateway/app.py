@@ -43,7 +43,7 @@ from apps.gateway.background import BackgroundLoops
 from apps.gateway.budget import PoolBudget
 from apps.gateway.config import GatewayConfig
 from apps.gateway.context import JSON_TYPE, ClientGone, RequestContext
-from apps.gateway.errors import GatewayError, unavailable
+from apps.gateway.errors import UPSTREAM_SHED, GatewayError, unavailable
 from apps.gateway.health import HEALTH_PATHS, Health
 from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.metrics import GatewayMetrics
@@ -324,6 +324,10 @@ class Gateway:
                 response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool, parsed,
                                                     admission.decision.max_tokens, headers)
                 ending = await relay(ctx, response, parsed, functools.partial(self.accountant.first_token, admission))
+            except GatewayError as error:
+                if error.code == UPSTREAM_SHED:  # the inference gateway's refusal counts as a refusal too
+                    self.admitter.count_rejection(entry, admission.limits, error.code)
+                raise
             finally:
                 ctx.finished = True  # a disconnect from here on is the normal end of the exchange
                 await self.accountant.finish(admission)

@@ -103,8 +103,11 @@ def unavailable(code: str, message: str, *, retry_after_s: float = 1.0) -> Gatew
     )
 
 
+UPSTREAM_SHED = "upstream_shed"
+
+
 def upstream_shed(reason: str, *, retry_after_s: float) -> GatewayError:
     """A 429 for a request the inference gateway in front of an llm-d pool shed (its flow control's
     `x-llm-d-request-dropped-reason`): nothing was served and the gateway released the whole hold."""
-    return rejected("upstream_shed", f"The inference gateway shed the request: {reason}.",
+    return rejected(UPSTREAM_SHED, f"The inference gateway shed the request: {reason}.",
                     retry_after_s=retry_after_s, retryable=True)

@@ -15,6 +15,7 @@ import pytest
 from apps.gateway.usage import usage_counts_parse
 from tests.gateway.test_holds import _held
 from tests.gateway.test_tiers import DEMOTED
+from tests.support.metrics import scrape
 
 pytestmark = pytest.mark.django_db
 
@@ -77,7 +78,7 @@ def test_a_vllm_pool_gets_none_of_them(gateway_factory: Any, upstream_factory: A
 @pytest.mark.parametrize("kind", ["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def test_a_shed_request_is_a_429_and_holds_nothing(
     gateway_factory: Any, upstream_factory: Any, request: pytest.FixtureRequest, kind: str, status: int,
-    reason: str | None,
+    reason: str | None, metrics_token: str,
 ) -> None:
     upstream, _ = upstream_factory(shed_status=status, shed_reason=reason)
     h = gateway_factory(upstreams=[upstream], pool_model=LLMD, store=_store(kind, request),
@@ -92,6 +93,10 @@ def test_a_shed_request_is_a_429_and_holds_nothing(
         assert answer.headers["retry-after"] == "1"
         assert answer.headers["x-tokenpools-reject-reason"] == "upstream_shed"
     assert len(upstream.received) == 2
+    # counted as refusals: on /metrics by reason, and in the usage records' rejected count
+    assert ('gateway_requests_rejected_total{entitlement="acme-chat",service_class="guaranteed",'
+            'reason="upstream_shed"} 2') in scrape(h.url, token=metrics_token)
+    assert sum(c.rejected for c in h.gateway.usage._pending.values()) == 2
     held = h.server.call(_held(h.gateway))
     assert held["in_flight"] == 0 and held["quota_reserved"] == 0 and held["kv_bytes"] == 0, held
     assert held["quota_used"] == 0, held  # nothing was served: nothing charged
