@@ -33,13 +33,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from bench.baseline import source_tree
-from bench.results import machine_description, write_section
+from bench.results import machine_description, save_rows, write_section
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.services import free_port, running_redis, stop_process_group, wait_for_port
 from tests.support.site import PreparedSite, prepare_site, serving
@@ -429,9 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows += measure("litellm", url, LITELLM_MASTER_KEY, args, workdir)
     text = report(rows, args)
     print(text)
-    out_dir = REPO / "bench" / "out"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gateway.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    save_rows("gateway", rows)
     if args.write_results:
         write_section("Gateway overhead (`make bench-gateway`)", text)
     return 0

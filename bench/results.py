@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import re
 import subprocess
+from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+OUT = Path(__file__).resolve().parent / "out"
 HEADER = "# Benchmark results\n\nEach section is rewritten by the command it names; figures are as measured, not targets.\n"
 
 
@@ -54,3 +59,11 @@ def write_rendered_section(section: str, path: Path = RESULTS) -> None:
     if not heading.startswith("## "):
         raise ValueError(f"a rendered section starts with its '## ' heading, got {heading!r}")
     write_section(heading[3:], body, path)
+
+
+def save_rows(name: str, rows: Iterable[Any]) -> Path:
+    """A benchmark's rows (dataclasses) as `bench/out/<name>.json`, for tools that read figures, not text."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    path.write_text(json.dumps([asdict(row) for row in rows], indent=2))
+    return path

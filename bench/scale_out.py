@@ -34,14 +34,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import httpx
 import redis
 
 from bench.gateway import CHAT_BODY, LOADGEN_CORE, PACED_STREAMS, _pinned, _to_ms, nginx_upstream
-from bench.results import machine_description, write_section
+from bench.results import machine_description, save_rows, write_section
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.redis_cluster import LocalRedisCluster, running_redis_cluster, slot_of
 from tests.support.services import running_redis
@@ -352,9 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(measure(target, workers, args, workdir, direct))
     text = report(rows, direct, args, argv)
     print(text)
-    out_dir = REPO / "bench" / "out"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "scale_out.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    save_rows("scale_out", rows)
     if args.write_results:
         write_section("Gateway scale-out (`make bench-scale-out`)", text)
     return 0

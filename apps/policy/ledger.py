@@ -419,19 +419,20 @@ class AdmissionLedger:
                 None, AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
                                         retryable=False, check=0)
             )
-        pool = self.pool_usage() if not record.limits.tier_of else self._tier_pool(record.limits, now)
-        decision = admit(record.limits, self.usage(entitlement_id, now), pool, request, self.config)
-        if record.queue or not (decision.admitted or decision.queued):  # the common admission skips the queue
-            if record.limits.tier_of:
-                decision = served_as(decision, record.limits)
-            elif spills(record.limits, decision, len(record.queue)):
-                record, decision = self._spillover(record, request, decision, now)
-            if not record.limits.tier_of:
-                route = own_queue_route(record.limits, decision, len(record.queue))
-                if route is not None:
-                    return self._enqueue(record, request, decision, now, full=route == FULL)
-        elif record.limits.tier_of:
-            decision = served_as(decision, record.limits)
+        limits = record.limits
+        if limits.tier_of:  # an entitlement's tier (apps.policy.tiers): no queue, no spillover of its own
+            decision = served_as(admit(limits, self.usage(entitlement_id, now), self._tier_pool(limits, now),
+                                       request, self.config), limits)
+        else:
+            decision = admit(limits, self.usage(entitlement_id, now), self.pool_usage(), request, self.config)
+            if record.queue or not (decision.admitted or decision.queued):  # the common admission skips the queue
+                spilled = self._spillover(record, request, now) if spills(limits, decision, len(record.queue)) else None
+                if spilled is not None:
+                    record, decision = spilled
+                else:
+                    route = own_queue_route(limits, decision, len(record.queue))
+                    if route is not None:
+                        return self._enqueue(record, request, decision, now, full=route == FULL)
         if not decision.admitted and not decision.queued:
             if decision.retryable and decision.reason in OWN_LIMIT_REASONS:
                 decision = decision._replace(retry_after_s=self._own_retry_s(record, decision, now))
@@ -460,10 +461,10 @@ class AdmissionLedger:
         started.extend(self._drain(now))
         return LedgerResult(decision, started=tuple(started), evicted=tuple(evicted))
 
-    def _spillover(self, record: EntitlementRecord, request: AdmissionRequest, decision: AdmissionDecision,
-                   now: float) -> tuple[EntitlementRecord, AdmissionDecision]:
-        """The entitlement's spillover tier and its decision when that tier starts the request at once; else the
-        entitlement and its own decision (its queue, or its refusal). `apps.policy.tiers`."""
+    def _spillover(self, record: EntitlementRecord, request: AdmissionRequest,
+                   now: float) -> tuple[EntitlementRecord, AdmissionDecision] | None:
+        """The entitlement's spillover tier and its decision when that tier starts the request at once; else None
+        (the entitlement's own decision stands: its queue, or its refusal). `apps.policy.tiers`."""
         spillover = record.limits.spillover_class
         assert spillover is not None
         tier = self._tier(record.limits.tier_limits(spillover), now)
@@ -471,7 +472,7 @@ class AdmissionLedger:
         spilled = admit(tier.limits, self.usage(tier_id, now), self._tier_pool(tier.limits, now), request,
                         self.config)
         if not spilled.admitted:
-            return record, decision
+            return None
         return tier, served_as(spilled, tier.limits)
 
     def _tier_pool(self, limits: EntitlementLimits, now: float) -> PoolUsage:
@@ -559,9 +560,9 @@ class AdmissionLedger:
         the used-up quota's (`apps.policy.tiers`)."""
         record = self._entitlements.get(entitlement_id)
         if limits is not None and (record is None or limits != record.limits):
-            self.upsert_entitlement(limits, now)
-        parent = limits if limits is not None else None if record is None else record.limits
-        if parent is None or parent.state is not EntitlementState.BOUND:
+            self.upsert_entitlement(limits, now)  # its tier's room counts its idle reservation (`_tier_pool`)
+            record = self._entitlements[entitlement_id]
+        if record is None or record.limits.state is not EntitlementState.BOUND:
             return self.request(entitlement_id, request, now, limits)  # refused by check 1, quota untouched
         hold = demoted_hold(claim)
         if hold is not None:
@@ -571,9 +572,8 @@ class AdmissionLedger:
                 self.counters.offered += 1
                 rejected = self._rejected(None, refusal)
                 return LedgerResult(rejected.decision, quota=held)
-        tier = parent.tier_limits(DEMOTED_CLASS)
-        self._tier(tier, now)
-        result = self.request(tier.entitlement_id, request, now, tier)
+        tier = record.limits.tier_limits(DEMOTED_CLASS)
+        result = self.request(tier.entitlement_id, request, now, tier)  # which keeps the tier's record in step
         if hold is not None and refunds(result.decision):
             self.quotas.refund(request.request_id)
         return LedgerResult(result.decision, result.started, result.evicted, exhausted)
