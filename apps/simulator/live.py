@@ -110,6 +110,7 @@ class LiveWorkload:
         on_leave: Callable[[TenantSpec], Awaitable[None]] | None = None,
         timeout_s: float = 120.0,
         max_connections: int = 512,
+        warm_up_requests: int = 2,
     ) -> None:
         self.tenants = {t.name: _Tenant(t, keys.get(t.name), random.Random(f"{seed}:{t.name}")) for t in tenants}
         # One URL (a gateway), or several backends taken in turn (no admission control in front of replicas).
@@ -121,6 +122,7 @@ class LiveWorkload:
         self.on_leave = on_leave
         self.timeout_s = timeout_s
         self.max_connections = max_connections
+        self.warm_up_requests = warm_up_requests
         self.records: list[LiveRecord] = []
         self._origin = 0.0
 
@@ -132,6 +134,7 @@ class LiveWorkload:
                               keepalive_expiry=3.0)
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
             self._client = client
+            await self._warm_up()
             arrivals = open_loop_arrivals([t.spec for t in self.tenants.values()], seed=self.seed,
                                           horizon_s=self.horizon_s)
             self._origin = time.monotonic()
@@ -150,6 +153,17 @@ class LiveWorkload:
             if isinstance(outcome, Exception):
                 raise outcome
         return self.records
+
+    async def _warm_up(self) -> None:
+        """A few one-token requests per key before the clock starts, not recorded: the servers' first requests
+        (connections opened, code paths run once, caches filled: a few hundred milliseconds for the first
+        requests through a `serve --workers 2`) are not what the run measures, and the simulator has no such
+        start. Several at once, so that every worker process takes some. Over before time 0: nothing is
+        held when the scenario starts."""
+        body = {"model": self.model, "prompt": "hello", "max_tokens": 1, "stream": True}
+        sends = [self._stream(tenant, body, 0.0, time.monotonic(), 0)
+                 for tenant in self.tenants.values() if tenant.key for _ in range(self.warm_up_requests)]
+        await asyncio.gather(*sends)
 
     # --- tenants joining and leaving ---------------------------------------------------------------------
 

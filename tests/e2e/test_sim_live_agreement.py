@@ -127,7 +127,7 @@ def _served_refused(sim: dict[str, Any]) -> tuple[int, int]:
     return int(sim["admitted"]) - timeouts, int(sim["rejected"]) + timeouts
 
 
-def _run_live(path: Path, store: str, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _run_live(path: Path, store: str, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """The scenario in virtual time, then live through the real site in front of the virtual vLLM on `store`
     (the Redis one behind `serve --workers 2`, ticks from `run_ticks` as beat would): both summaries."""
     scenario = load_scenario(path)
@@ -141,7 +141,7 @@ def _run_live(path: Path, store: str, tmp_path: Path) -> tuple[dict[str, Any], d
         redis_url = stack.enter_context(running_redis()) if store == "redis" else None
         records = run_arm("redis" if store == "redis" else "token-pools", scenario, Backend((backend,), POOL),
                           tmp_path / store, progress=False, redis_url=redis_url)
-    return simulated, summarize_live(records, config.tenants, float(config.horizon_s))
+    return simulated, summarize_live(records, config.tenants, float(config.horizon_s)), _slowest(records)
 
 
 def _agreement_table(simulated: dict[str, Any], live: dict[str, Any]) -> list[str]:
@@ -181,21 +181,21 @@ def _assert_agreement(simulated: dict[str, Any], live: dict[str, Any], *, tiers:
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_the_simulator_predicts_the_live_gateway_with_queues(store: str, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    simulated, live = _run_live(QUEUE_SCENARIO, store, tmp_path)
+    simulated, live, slowest = _run_live(QUEUE_SCENARIO, store, tmp_path)
     assert simulated["guaranteed-q"]["queue_wait_p99_s"] > 1.0, "the scenario must make guaranteed-q wait"
     with capsys.disabled():
         print(f"\nsim-to-live agreement ({QUEUE_SCENARIO.name}, {store} store)\n"
-              + "\n".join(_agreement_table(simulated, live)))
+              + "\n".join(_agreement_table(simulated, live) + slowest))
     _assert_agreement(simulated, live)
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_the_simulator_predicts_the_live_gateway_with_spillover(store: str, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    simulated, live = _run_live(SPILLOVER_SCENARIO, store, tmp_path)
+    simulated, live, slowest = _run_live(SPILLOVER_SCENARIO, store, tmp_path)
     tiers = simulated["guaranteed-s"]["served_by_tier"]
     assert tiers.get("spot", 0) > 10 and tiers.get("guaranteed", 0) > 10, "the scenario must spill over"
     with capsys.disabled():
         print(f"\nsim-to-live agreement ({SPILLOVER_SCENARIO.name}, {store} store)\n"
-              + "\n".join(_agreement_table(simulated, live)))
+              + "\n".join(_agreement_table(simulated, live) + slowest))
     _assert_agreement(simulated, live, tiers=True)
