@@ -50,6 +50,13 @@ class Usage:
 def extract(expr: str) -> Usage:
     usage = Usage()
     text = GRAFANA_VARIABLES.sub("5m", expr)
+    depth = 0
+    for char in _STRING.sub('""', text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            break
+    if depth != 0:
+        raise PromQLError(f"unbalanced parentheses in {expr!r}")
 
     def selector(match: re.Match[str]) -> str:
         name, body = match.group(1), match.group(2)

@@ -142,6 +142,8 @@ def test_the_check_catches_an_unknown_metric_label_value_and_function(exported: 
         "gateway_ttft_seconds: exported without series (the test's traffic must produce some)"]
     with pytest.raises(PromQLError, match="unknown function"):
         extract("histogram_quantle(0.99, rate(gateway_ttft_seconds_bucket[5m]))")
+    with pytest.raises(PromQLError, match="unbalanced parentheses"):
+        extract("sum(rate(gateway_tokens_total[5m])")
 
 
 def test_the_reader_finds_metrics_and_labels_inside_functions_and_label_lists() -> None:
