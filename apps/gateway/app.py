@@ -48,6 +48,7 @@ from apps.gateway.health import HEALTH_PATHS, Health
 from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.metrics import GatewayMetrics
 from apps.gateway.metrics_access import metrics_hidden_labels
+from apps.gateway.metrics_info import register_info_gauges
 from apps.gateway.parse import (
     CHAT,
     COMPLETION,
@@ -98,6 +99,7 @@ class Gateway:
         self._start_lock: asyncio.Lock | None = None
         self._started = False
         self.loops.register_gauges()
+        register_info_gauges(self)
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
