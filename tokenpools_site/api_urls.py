@@ -7,7 +7,7 @@ from rest_framework.routers import DefaultRouter
 
 from apps.gateway.api import UsageRecordViewSet
 from apps.operations.api import ApiKeyViewSet, EntitlementViewSet, TenantViewSet
-from apps.pools.api import ApplyView, ExportView, PoolViewSet
+from apps.pools.api import ApplyView, DiffView, ExportView, PoolViewSet
 from apps.tenancy.api import MembershipViewSet, UserViewSet
 from apps.tenancy.apiutils import FormParser, JSONParser, MultiPartParser
 from apps.tenancy.signin import LockoutObtainAuthToken
@@ -23,6 +23,7 @@ router.register("usage", UsageRecordViewSet, basename="usage")
 
 urlpatterns = [
     path("apply", ApplyView.as_view(), name="apply"),
+    path("diff", DiffView.as_view(), name="diff"),
     path("export", ExportView.as_view(), name="export"),
     # Scripts trade a username and password for their API token here (POST username, password).
     # DRF's view names its own parsers; these also refuse NUL characters (a username is looked up). Failed

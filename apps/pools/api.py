@@ -31,6 +31,7 @@ from apps.pools.serializers import (
     ApplyErrorsSerializer,
     ApplyReportSerializer,
     ApplyRequestSerializer,
+    DiffReportSerializer,
     EntitlementSerializer,
     PoolSerializer,
     StateChangeSerializer,
@@ -187,12 +188,16 @@ class PlainTextParser(YAMLTextParser):
     media_type = "text/plain"
 
 
+DRY_RUN_PARAMETER = OpenApiParameter("dryRun", bool, description="validate and report, writing nothing")
+
+
 class ApplyView(APIView):
     """``POST /api/v1/apply``: apply TokenPool/TokenEntitlement manifests (idempotent).
 
     Body: YAML (``application/yaml``, ``text/plain``), a multipart ``file`` upload, a JSON list of
     documents, or JSON ``{"manifest": "<yaml>"}`` or ``{"documents": [...]}`` (exactly one of the two). All
-    documents are validated before anything is written. 200 with what was created/updated/unchanged; 400
+    documents are validated before anything is written; ``?dryRun=true`` validates and reports the same, writing
+    nothing. 200 with what was created/updated/unchanged (and ``dryRun``); 400
     ``{"errors": [{index, kind, name, field, message}]}`` for bad input (YAML aliases, nesting past 32
     levels included); 403 when a document needs rights the user lacks (pools: superusers; entitlements:
     tenant owners); 413 for a body larger than ``MANIFEST_MAX_BYTES``, refused before it is read.
@@ -201,43 +206,92 @@ class ApplyView(APIView):
     parser_classes = [JSONParser, YAMLTextParser, XYAMLTextParser, TextYAMLParser, PlainTextParser, FormParser,
                       MultiPartParser]
 
-    @extend_schema(request=APPLY_REQUEST_SCHEMAS, responses={
-        200: OpenApiResponse(ApplyReportSerializer, description="what was created, updated or unchanged"),
+    @extend_schema(parameters=[DRY_RUN_PARAMETER], request=APPLY_REQUEST_SCHEMAS, responses={
+        200: OpenApiResponse(ApplyReportSerializer, description="what was (or, with dryRun, would be) created, "
+                                                                "updated or unchanged"),
         400: OpenApiResponse(ApplyErrorsSerializer, description="bad input: nothing was written"),
         403: OpenApiResponse(ApplyErrorsSerializer, description="a document needs rights the user lacks"),
         413: OpenApiResponse(ApplyErrorsSerializer, description="the body is larger than MANIFEST_MAX_BYTES"),
     })
     def post(self, request: Request) -> Response:
+        dry_run = _dry_run(request)
+        documents = _request_documents(request)
+        if isinstance(documents, Response):
+            return documents
         try:
-            size = int(request.META.get("CONTENT_LENGTH") or 0)
-        except ValueError:
-            size = 0
-        problem = too_large(size)  # before the body is read: its parsers hold all of it in memory
-        if problem:
-            return Response({"errors": [_body_issue(problem)]}, status=413)
-        body = request.data
-        upload = request.FILES.get("file") if hasattr(request, "FILES") else None
-        if upload is not None:  # curl -F file=@manifest.yaml
-            try:
-                documents: Any = upload.read().decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValidationError({"file": ["not UTF-8 text"]}) from exc
-            if "\x00" in documents:
-                raise ValidationError({"file": [NUL_MESSAGE]})
-        elif isinstance(body, str | list):
-            documents = body
-        else:
-            payload = ApplyRequestSerializer(data=body)
-            payload.is_valid(raise_exception=True)
-            data = payload.validated_data
-            if ("manifest" in data) == ("documents" in data):
-                raise ValidationError({"non_field_errors": ["send exactly one of 'manifest' or 'documents'"]})
-            documents = data.get("manifest", data.get("documents"))
-        try:
-            result = manifests_apply(actor=request.user, documents=documents)
+            result = manifests_apply(actor=request.user, documents=documents, dry_run=dry_run)
         except ManifestError as exc:
             return Response({"errors": [i.as_dict() for i in exc.issues]}, status=403 if exc.forbidden else 400)
-        return Response({**result.summary(), "documents": [d.as_dict() for d in result.documents]})
+        return Response({**result.summary(), "dryRun": result.dry_run,
+                         "documents": [d.as_dict() for d in result.documents]})
+
+
+class DiffView(APIView):
+    """``POST /api/v1/diff``: what applying the manifests would change (``kubectl diff``), writing nothing.
+
+    The body and permissions are those of ``POST /api/v1/apply`` (the same checks, as a dry run). 200 with
+    ``changed`` (whether anything would change) and, per object that would, a unified diff of it as stored
+    against it as applied, both in the manifests' field names; 400/403/413 as for apply.
+    """
+
+    parser_classes = ApplyView.parser_classes
+
+    @extend_schema(request=APPLY_REQUEST_SCHEMAS, responses={
+        200: OpenApiResponse(DiffReportSerializer, description="the objects that would change, as unified diffs"),
+        400: OpenApiResponse(ApplyErrorsSerializer, description="bad input"),
+        403: OpenApiResponse(ApplyErrorsSerializer, description="a document needs rights the user lacks"),
+        413: OpenApiResponse(ApplyErrorsSerializer, description="the body is larger than MANIFEST_MAX_BYTES"),
+    })
+    def post(self, request: Request) -> Response:
+        documents = _request_documents(request)
+        if isinstance(documents, Response):
+            return documents
+        try:
+            result = manifests_apply(actor=request.user, documents=documents, compare=True)
+        except ManifestError as exc:
+            return Response({"errors": [i.as_dict() for i in exc.issues]}, status=403 if exc.forbidden else 400)
+        changed = [d for d in result.diffs if d.changed]
+        return Response({"changed": bool(changed), "unchanged": len(result.diffs) - len(changed),
+                         "diffs": [{"kind": d.kind, "name": d.name, "diff": d.unified()} for d in changed]})
+
+
+def _dry_run(request: Request) -> bool:
+    """``?dryRun=true`` (Kubernetes' ``dryRun=All`` too); anything but true/false is a field error."""
+    value = request.query_params.get("dryRun", "false").strip().lower()
+    if value in ("true", "1", "all"):
+        return True
+    if value in ("false", "0", ""):
+        return False
+    raise ValidationError({"dryRun": ["must be true or false"]})
+
+
+def _request_documents(request: Request) -> Any:
+    """The manifest of an apply or diff request: YAML text, a list of documents, or a 413 Response."""
+    try:
+        size = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        size = 0
+    problem = too_large(size)  # before the body is read: its parsers hold all of it in memory
+    if problem:
+        return Response({"errors": [_body_issue(problem)]}, status=413)
+    body = request.data
+    upload = request.FILES.get("file") if hasattr(request, "FILES") else None
+    if upload is not None:  # curl -F file=@manifest.yaml
+        try:
+            documents: Any = upload.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValidationError({"file": ["not UTF-8 text"]}) from exc
+        if "\x00" in documents:
+            raise ValidationError({"file": [NUL_MESSAGE]})
+        return documents
+    if isinstance(body, str | list):
+        return body
+    payload = ApplyRequestSerializer(data=body)
+    payload.is_valid(raise_exception=True)
+    data = payload.validated_data
+    if ("manifest" in data) == ("documents" in data):
+        raise ValidationError({"non_field_errors": ["send exactly one of 'manifest' or 'documents'"]})
+    return data.get("manifest", data.get("documents"))
 
 
 class ExportView(APIView):

@@ -285,6 +285,19 @@ class AppliedDocumentSerializer(serializers.Serializer):
 
 class ApplyReportSerializer(serializers.Serializer):
     created = serializers.IntegerField()
+    dryRun = serializers.BooleanField(help_text="true when nothing was written (?dryRun=true)")
     updated = serializers.IntegerField()
     unchanged = serializers.IntegerField()
     documents = AppliedDocumentSerializer(many=True)
+
+
+class ObjectDiffSerializer(serializers.Serializer):
+    kind = serializers.CharField()
+    name = serializers.CharField()
+    diff = serializers.CharField(help_text="unified diff: the object as stored against it as the manifest applies it")
+
+
+class DiffReportSerializer(serializers.Serializer):
+    changed = serializers.BooleanField(help_text="whether applying the manifest would change anything")
+    unchanged = serializers.IntegerField(help_text="how many of the objects named would not change")
+    diffs = ObjectDiffSerializer(many=True)

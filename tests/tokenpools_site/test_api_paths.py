@@ -26,7 +26,7 @@ SECRETS = (b"REDIS_URL", b"SECRET_KEY", b"DATABASES", b"Traceback")
 
 def _paths(ids: dict[str, Any]) -> list[str]:
     """Every router endpoint (list and detail, with a real object) plus the plain views, slashed as routed."""
-    paths = ["/api/v1/apply", "/api/v1/export", "/api/v1/auth/token"]
+    paths = ["/api/v1/apply", "/api/v1/diff", "/api/v1/export", "/api/v1/auth/token"]
     for prefix, viewset, _ in router.registry:
         paths.append(f"/api/v1/{prefix}/")
         paths.append(f"/api/v1/{prefix}/{ids[prefix]}/")
