@@ -6,9 +6,11 @@ variable from a ConfigMap or Secret key that exists, selectors that pick the gat
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +179,29 @@ def test_every_variable_comes_from_a_key_that_exists(rendered: dict[str, list[Ob
     for kind, name in (("ConfigMap", CONFIG), ("Secret", SECRET)):
         for key in data(find(objects, kind, name)):
             assert key in SETTINGS | argument_names, f"{target}: {kind} key {key} is read by nothing"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_gateway_environment_passes_the_strict_settings(rendered: dict[str, list[Object]], target: str) -> None:
+    """The ConfigMap's values parse (settings.py stops on a bad one) and give the mode the overlay means."""
+    objects = rendered[target]
+    container = gateway_container(objects)
+    secret = data(find(objects, "Secret", SECRET))
+    env = environment(objects, container)
+    for var in container.get("env", []):
+        if "valueFrom" in var:
+            env[var["name"]] = secret[var["valueFrom"]["secretKeyRef"]["key"]]
+    script = ("import json, django; django.setup(); from django.conf import settings as s; print(json.dumps("
+              "[s.DEPLOYMENT, s.GATEWAY_STATE_BACKEND, s.CELERY_BROKER_URL, s.GATEWAY_DRAIN_TIMEOUT_S]))")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "DJANGO_SETTINGS_MODULE": "tokenpools_site.settings", **env})
+    assert result.returncode == 0, result.stderr[-2000:]
+    deployment, backend, broker, drain = json.loads(result.stdout.strip().splitlines()[-1])
+    if target == "embedded":
+        assert (deployment, backend, broker) == ("embedded", "memory", "memory://")
+    else:
+        assert (deployment, backend, broker) == ("production", "redis", env["REDIS_URL"])
+    assert drain == float(env["GATEWAY_DRAIN_TIMEOUT_S"])
 
 
 @pytest.mark.parametrize("target", TARGETS)
