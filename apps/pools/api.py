@@ -6,11 +6,12 @@ Entitlements of other tenants answer 404; a tenant's members read them, its owne
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import IO, Any
 
 import django_filters
-from django.http import Http404, HttpResponse
+from django.http import Http404, HttpResponse, QueryDict
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
@@ -40,7 +41,6 @@ from apps.tenancy.apischema import FIELD_ERRORS, NOT_FOUND
 from apps.tenancy.apiutils import (
     NAME_IN_PATH,
     NUL_MESSAGE,
-    FormParser,
     JSONParser,
     MultiPartParser,
     call_service,
@@ -188,6 +188,24 @@ class PlainTextParser(YAMLTextParser):
     media_type = "text/plain"
 
 
+class FormOrYAMLParser(YAMLTextParser):
+    """`application/x-www-form-urlencoded`, which `curl --data-binary @file.yaml` sends unless told otherwise:
+    a form (`manifest=...` or `documents=...`) is read as a form; any other body is the manifest's YAML, as
+    the README's curl example sends it."""
+
+    media_type = "application/x-www-form-urlencoded"
+
+    def parse(  # type: ignore[override]
+        self, stream: IO[Any] | None, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None
+    ) -> Any:
+        text = super().parse(stream, media_type, parser_context)
+        if FORM_FIELD.match(text):
+            return QueryDict(text, encoding="utf-8")
+        return text
+
+
+FORM_FIELD = re.compile(r"(manifest|documents)=")
+
 DRY_RUN_PARAMETER = OpenApiParameter("dryRun", bool, description="validate and report, writing nothing")
 
 
@@ -203,8 +221,8 @@ class ApplyView(APIView):
     tenant owners); 413 for a body larger than ``MANIFEST_MAX_BYTES``, refused before it is read.
     """
 
-    parser_classes = [JSONParser, YAMLTextParser, XYAMLTextParser, TextYAMLParser, PlainTextParser, FormParser,
-                      MultiPartParser]
+    parser_classes = [JSONParser, YAMLTextParser, XYAMLTextParser, TextYAMLParser, PlainTextParser,
+                      FormOrYAMLParser, MultiPartParser]
 
     @extend_schema(parameters=[DRY_RUN_PARAMETER], request=APPLY_REQUEST_SCHEMAS, responses={
         200: OpenApiResponse(ApplyReportSerializer, description="what was (or, with dryRun, would be) created, "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 from django.conf import settings
@@ -58,3 +59,17 @@ def test_diff_has_applys_permissions_and_errors(admin: Any, owner: Any) -> None:
     assert bad.status_code == 400 and "malformed YAML" in bad.json()["errors"][0]["message"]
     anonymous = APIClient().post("/api/v1/diff", QWEN, content_type="application/yaml")
     assert anonymous.status_code in (401, 403) and TokenPool.objects.count() == 0
+
+
+def test_a_yaml_body_sent_as_curl_sends_it_by_default_is_applied(admin: Any) -> None:
+    """`curl --data-binary @file.yaml` (the README's example) says application/x-www-form-urlencoded."""
+    client = client_as(admin)
+    form = "application/x-www-form-urlencoded"
+    raw = client.post("/api/v1/apply?dryRun=true", QWEN, content_type=form)
+    assert raw.status_code == 200 and raw.json()["created"] == 3, raw.json()
+    # A real form still reads as a form; a bad YAML body still gets apply's error.
+    posted = client.post("/api/v1/diff", urlencode({"manifest": QWEN}), content_type=form)
+    assert posted.status_code == 200 and posted.json()["changed"] is True, posted.json()
+    bad = client.post("/api/v1/apply", "kind: [unclosed", content_type=form)
+    assert bad.status_code == 400 and bad.json()["errors"], bad.json()
+    assert TokenPool.objects.count() == 0
