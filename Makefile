@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-apply bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,10 @@ bench-policy: venv
 # A real SIGKILL of gateway processes: reservations reclaimed, usage kept (bench/RESULTS.md).
 bench-faults: venv system-deps
 	$(BIN)/python -m bench.faults --write-results
+
+# One `apply` of 1,000 to 10,000 entitlements on one pool: apply, re-apply, diff, the REST list, the snapshot.
+bench-apply: venv
+	$(BIN)/python -m bench.apply_scale --write-results
 
 bench-sim: venv
 	$(BIN)/python -m bench.sim --requests 1000000 --write-results
