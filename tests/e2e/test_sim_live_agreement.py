@@ -19,10 +19,14 @@ within 10% plus one request. p99 TTFT within 25%; p99 queue wait (the gateway's 
 simulator's arrival-to-dispatch) within 25% plus 50 ms, a floor well under one decode step so that a wait the
 simulator puts at zero (spot-b never queues) may be a live handful of milliseconds.
 
-With spillover (issue 24), `seed000_spillover_agreement.yaml`: a guaranteed entitlement of 4 slots with 8
-closed-loop clients spills its extra requests to spot on idle capacity beside a barely used reservation and an
-open-loop spot tenant, on both stores; besides the counts above, the requests served per tier (the
-simulator's admissions by tier, the client's 200s by `x-tokenpools-service-tier`) agree within 10% plus one.
+With spillover (issue 24), `seed000_spillover_agreement.yaml`: a guaranteed entitlement of 4 slots with 6
+closed-loop clients spills its extra requests to spot on the pool's unreserved slots beside a barely used
+reservation and an open-loop guaranteed tenant refused on its own concurrency, on both stores; besides the
+counts above, the requests served per tier (the simulator's admissions by tier, the client's 200s by
+`x-tokenpools-service-tier`) agree within 10% plus one.
+
+Before the clock starts, the live workload sends two one-token requests per key (`LiveWorkload._warm_up`):
+the servers' first requests are not what the runs compare.
 """
 
 from __future__ import annotations
