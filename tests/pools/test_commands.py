@@ -165,3 +165,12 @@ def test_seed_demo_without_write_keys_writes_no_file(monkeypatch: pytest.MonkeyP
     monkeypatch.chdir(tmp_path)
     run("seed_demo")
     assert list(tmp_path.rglob("*")) == []
+
+
+def test_a_generated_demo_password_never_reads_as_an_option() -> None:
+    # Without the guard about 1 in 64 start with "-": 500 draws would show one with near certainty.
+    from apps.pools.management.commands.seed_demo import generated_password
+
+    passwords = [generated_password() for _ in range(500)]
+    assert not any(p.startswith("-") for p in passwords)
+    assert len(set(passwords)) == 500 and all(len(p) == 16 for p in passwords)

@@ -69,7 +69,7 @@ class Command(BaseCommand):
 
     def _password(self, setting: str) -> tuple[str, bool]:
         given = getattr(settings, setting)
-        return (given, False) if given else (secrets.token_urlsafe(12), True)
+        return (given, False) if given else (generated_password(), True)
 
     def _users_and_tenants(self) -> None:
         User = get_user_model()
@@ -135,3 +135,11 @@ def _write_keys(path: Path, keys: dict[str, str]) -> None:
         handle.write("\n")
     os.chmod(tmp, 0o600)  # an older tmp file keeps its mode through O_CREAT
     os.replace(tmp, path)
+
+
+def generated_password() -> str:
+    """A random password that never starts with `-`: one printed for a person to paste after an option
+    (`demo_screenshot --password ...`) would otherwise be read as an option (1 in 64 of them)."""
+    while (password := secrets.token_urlsafe(12)).startswith("-"):
+        pass
+    return password
