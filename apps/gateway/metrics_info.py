@@ -38,7 +38,7 @@ def entitlement_info(gateway: Gateway) -> Series:
     snapshot = gateway.snapshots.current
     if snapshot is None:
         return {}
-    return {(pool.name, limits.entitlement_id, snapshot.owners.get(limits.entitlement_id, ("", ""))[0],
+    return {(snapshot.owners.get(limits.entitlement_id, ("", ""))[0], pool.name, limits.entitlement_id,
              str(limits.service_class)): 1.0
             for pool in snapshot.pools.values() for limits in pool.entitlements}
 
@@ -70,7 +70,7 @@ def register_info_gauges(gateway: Gateway) -> None:
     gateway.metrics.owners_source = lambda: owners(gateway)
     add = gateway.metrics.add_gauge
     add("tokenpools_entitlement_info", "An entitlement's tenant and service class (value 1; join on entitlement).",
-        ("pool", "entitlement", "tenant", "service_class"), lambda: entitlement_info(gateway))
+        ("tenant", "pool", "entitlement", "service_class"), lambda: entitlement_info(gateway))
     add("tokenpools_entitlement_tokens_per_second", "The entitlement's entitled token rate.",
         ("pool", "entitlement"), lambda: _per_entitlement(gateway, seconds=False))
     add("tokenpools_entitlement_slo_ttft_seconds", "The entitlement's TTFT target.",
