@@ -135,14 +135,18 @@ class Histogram:
         yield f"# TYPE {self.name} histogram"
         names, items = _owned(self.label_names, owners, list(self.series.items()))
         names, merged = _summed(names, hidden, items)
+        # The `le` matchers and each series' labels are escaped once, not once per bucket line.
+        bounds = [f'le="{_number(bound)}"' for bound in (*self.buckets, float("inf"))]
+        bucket, total, count_name = f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count"
         for labels, series in merged.items():
+            own = _labels(names, labels)
+            prefix = own[:-1] + "," if own else "{"
             cumulative = 0.0
-            for bound, count in zip((*self.buckets, float("inf")), series[: len(self.buckets) + 1], strict=True):
+            for le, count in zip(bounds, series[: len(self.buckets) + 1], strict=True):
                 cumulative += count
-                extra = f'le="{_number(bound)}"'
-                yield f"{self.name}_bucket{_labels(names, labels, extra)} {_number(cumulative)}"
-            yield f"{self.name}_sum{_labels(names, labels)} {_number(series[-2])}"
-            yield f"{self.name}_count{_labels(names, labels)} {_number(series[-1])}"
+                yield f"{bucket}{prefix}{le}}} {_number(cumulative)}"
+            yield f"{total}{own} {_number(series[-2])}"
+            yield f"{count_name}{own} {_number(series[-1])}"
 
 
 class Gauge:
