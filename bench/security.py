@@ -105,8 +105,12 @@ class Attacker:
         async with httpx.AsyncClient(timeout=10) as client:
             text = (await client.get(self.url + "/metrics",
                                      headers={"Authorization": f"Bearer {METRICS_TOKEN}"})).text
-        pattern = rf'tokenpools_quota_reserved_tokens{{[^}}]*entitlement="{re.escape(entitlement)}"[^}}]*}} (\S+)'
-        return sum(float(v) for v in re.findall(pattern, text))
+        # The entitlement's own quota, and its tenant's shared one (exported once, under the tenant).
+        own = rf'tokenpools_entitlement_quota_reserved_tokens{{[^}}]*entitlement="{re.escape(entitlement)}"[^}}]*}} (\S+)'
+        tenants = set(re.findall(rf'tokenpools_entitlement_info{{[^}}]*tenant="([^"]*)"[^}}]*entitlement='
+                                 rf'"{re.escape(entitlement)}"', text))
+        shared = [rf'tokenpools_tenant_quota_reserved_tokens{{tenant="{re.escape(t)}"}} (\S+)' for t in tenants]
+        return sum(float(v) for pattern in (own, *shared) for v in re.findall(pattern, text))
 
     # --- item 1 ---------------------------------------------------------------------------------------
 

@@ -53,6 +53,8 @@ RELEASE_RETRY_S = 1.0
 USAGE_CLAIM_LEASE_S = 30.0
 # How often the store's own in-flight counts are read for /metrics.
 STORE_VIEW_S = 1.0
+# (owner: entitlement name or tenant slug, unit) -> (used, reserved, limit)
+QuotaView = dict[tuple[str, str], tuple[float, float, float]]
 
 
 class BackgroundLoops:
@@ -68,8 +70,10 @@ class BackgroundLoops:
         self.store_in_flight: dict[tuple[str, ...], float] = {}
         # (pool, entitlement) -> (debt, burst, priority of a request now), as last read from the store.
         self.store_dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
-        # (entitlement, quota: entitlement|tenant, unit) -> (used, reserved, limit) in the current window.
-        self.store_quotas: dict[tuple[str, str, str], tuple[float, float, float]] = {}
+        # (entitlement, unit) -> (used, reserved, limit) of the entitlement's own quota in the current window,
+        # and (tenant slug, unit) -> the same of a tenant's shared quota: once per tenant, not per entitlement.
+        self.store_quotas: QuotaView = {}
+        self.store_tenant_quotas: QuotaView = {}
 
     def start(self) -> None:
         gateway = self.gateway
@@ -255,20 +259,23 @@ class BackgroundLoops:
                     priority = request_priority(limits.traits, limits.slo_target_ms, pool.mean_slo_ms, usage.burst,
                                                 usage.debt, store.config)
                     dynamics[(pool.name, limits.entitlement_id)] = (usage.debt, usage.burst, priority)
-            quotas = await self._quota_view(snapshot)
+            quotas, tenant_quotas = await self._quota_view(snapshot)
         except StateStoreUnavailable:
             return  # keep the last view: the store's own state did not change by being unreachable
         self.store_in_flight = view
         self.store_dynamics = dynamics
-        self.store_quotas = quotas
+        self.store_quotas, self.store_tenant_quotas = quotas, tenant_quotas
 
-    async def _quota_view(self, snapshot: Any) -> dict[tuple[str, str, str], tuple[float, float, float]]:
-        """Each quota'd entitlement's quotas as the store holds them now (every process together)."""
+    async def _quota_view(self, snapshot: Any) -> tuple[QuotaView, QuotaView]:
+        """Each quota'd entitlement's own quota and each tenant's shared one, as the store holds them now
+        (every process together). A tenant's quota is one number whichever entitlement reads it: it is kept
+        once, under the tenant, so that a sum over entitlements cannot count it twice."""
         store = self.gateway.store
         assert store is not None
         now = dt.datetime.now(dt.UTC)
         seen: set[str] = set()
-        view: dict[tuple[str, str, str], tuple[float, float, float]] = {}
+        own: QuotaView = {}
+        shared: QuotaView = {}
         for entry in list(snapshot.keys.values()):
             if not entry.quotas or entry.entitlement in seen:
                 continue
@@ -276,9 +283,11 @@ class BackgroundLoops:
             charges = [rule.charge_at(now) for rule in entry.quotas]
             for standing in await store.quota_standings(scope=str(entry.tenant_id), charges=charges):
                 charge = standing.charge
-                owner = "tenant" if charge.key == "tenant" else "entitlement"
-                view[(entry.entitlement, owner, charge.unit)] = (standing.used, standing.reserved, charge.limit)
-        return view
+                if charge.key == "tenant":
+                    shared[(entry.tenant_slug, charge.unit)] = (standing.used, standing.reserved, charge.limit)
+                else:
+                    own[(entry.entitlement, charge.unit)] = (standing.used, standing.reserved, charge.limit)
+        return own, shared
 
     async def retry_releases(self) -> int:
         return await self.gateway.accountant.retry_pending()
@@ -392,18 +401,23 @@ class BackgroundLoops:
                 ("tokenpools_entitlement_burst", "Burst (seed 000, (3)) as the state store holds it."),
                 ("tokenpools_entitlement_priority", "Priority weight (seed 000, (1)) a request would get now."))):
             add(name, text, ("pool", "entitlement"), dynamics(index))
-        def quota(index: int, tokens: bool) -> Callable[[], dict[tuple[str, ...], float]]:
-            return lambda: {(ent, owner) if tokens else (ent, owner, unit): values[index]
-                            for (ent, owner, unit), values in self.store_quotas.items() if (unit == "tokens") == tokens}
+        def quota(shared: bool, index: int, tokens: bool) -> Callable[[], dict[tuple[str, ...], float]]:
+            def collect() -> dict[tuple[str, ...], float]:
+                view = self.store_tenant_quotas if shared else self.store_quotas
+                return {(owner,) if tokens else (owner, unit): values[index]
+                        for (owner, unit), values in view.items() if (unit == "tokens") == tokens}
+            return collect
 
-        for index, what in enumerate(("used", "reserved", "limit")):
-            text = {"used": "used by finished requests", "reserved": "reserved by requests running now",
-                    "limit": "the limit"}[what]
-            add(f"tokenpools_quota_{what}_tokens", f"Quota of the current window, {text} (the state store, every "
-                "process; quota: the entitlement's own or its tenant's).", ("entitlement", "quota"),
-                quota(index, tokens=True))
-            add(f"tokenpools_quota_{what}_amount", f"Money quota of the current window, {text}, in its currency.",
-                ("entitlement", "quota", "currency"), quota(index, tokens=False))
+        for shared, (family, label, whose) in enumerate((
+                ("tokenpools_entitlement_quota", "entitlement", "the entitlement's own quota"),
+                ("tokenpools_tenant_quota", "tenant", "the tenant's shared quota (once per tenant)"))):
+            for index, what in enumerate(("used", "reserved", "limit")):
+                text = {"used": "used by finished requests", "reserved": "reserved by requests running now",
+                        "limit": "the limit"}[what]
+                add(f"{family}_{what}_tokens", f"{whose.capitalize()} in the current window, {text} (the state "
+                    "store, every process).", (label,), quota(bool(shared), index, tokens=True))
+                add(f"{family}_{what}_amount", f"{whose.capitalize()} in money in the current window, {text}, in "
+                    "its currency.", (label, "currency"), quota(bool(shared), index, tokens=False))
         add("gateway_store_in_flight", "Requests the state store holds in flight (every process together), "
             "as last read.", ("pool", "entitlement"), lambda: dict(self.store_in_flight))
         add("tokenpools_pool_desired_replicas", "Replicas the pool should run (autoscaling signal).", ("pool",),

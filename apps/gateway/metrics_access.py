@@ -7,7 +7,8 @@ The gateway's metrics name entitlements and quotas (tenant-identifying), so:
 - unset, `DEPLOYMENT=production`: refused (401) with a message saying to set `METRICS_TOKEN`; production
   never serves tenants' names to whoever can reach the port.
 - unset, embedded: served, but without the labels that name a tenant's objects (`entitlement`, `quota`,
-  `tenant`): counters and histograms are summed over them, per-entitlement gauges left out; unless
+  `tenant`, which every per-entitlement series carries): counters and histograms are summed over them (by
+  pool and their other labels), per-entitlement and per-tenant gauges left out; unless
   `METRICS_ANONYMOUS_LABELS=1` says the operator wants them (a private development box).
 
 Settings are read at scrape time (a few attribute reads), so a test's `override_settings` applies.

@@ -3,11 +3,12 @@
 The request counters say what was served; these say what was promised and where it runs, so a dashboard can
 draw one against the other without a second data source:
 
-- `tokenpools_entitlement_info{pool,entitlement,tenant,service_class} 1`: the tenant (slug) and class of
-  each entitlement; join it (`* on(entitlement) group_left(tenant) ...`) to see any per-entitlement series
-  by tenant. Entitlement names are unique across tenants, so the join has one match.
-- `tokenpools_entitlement_tokens_per_second{pool,entitlement}`: the entitled rate (served against entitled).
-- `tokenpools_entitlement_slo_ttft_seconds{pool,entitlement}`: the TTFT target (TTFT against the SLO).
+- `tokenpools_entitlement_info{tenant,pool,entitlement,service_class} 1`: the tenant (slug) and class of
+  each entitlement (every per-entitlement series carries `tenant` and `pool` itself: the join is needed
+  only for the class).
+- `tokenpools_entitlement_tokens_per_second{tenant,pool,entitlement}`: the entitled rate (served against
+  entitled).
+- `tokenpools_entitlement_slo_ttft_seconds{tenant,pool,entitlement}`: the TTFT target (TTFT against the SLO).
 - `tokenpools_replica_healthy{pool,replica}` and `tokenpools_replica_kv_usage{pool,replica}`: each replica's
   health as the gateway sees it and the KV cache use (0..1) its vLLM metrics reported last.
 
@@ -17,6 +18,7 @@ request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,20 +27,18 @@ if TYPE_CHECKING:
 Series = dict[tuple[str, ...], float]
 
 
-def _tenant_slugs(gateway: Gateway) -> dict[str, str]:
-    """tenant id (as the policy's limits carry it) -> slug, from the keys of the current snapshot."""
+def owners(gateway: Gateway) -> Mapping[str, tuple[str, str]]:
+    """entitlement -> (tenant slug, pool) of the current snapshot: the `tenant` and `pool` labels of every
+    per-entitlement series (`GatewayMetrics.owners_source`)."""
     snapshot = gateway.snapshots.current
-    if snapshot is None:
-        return {}
-    return {str(entry.tenant_id): entry.tenant_slug for entry in snapshot.keys.values()}
+    return snapshot.owners if snapshot is not None else {}
 
 
 def entitlement_info(gateway: Gateway) -> Series:
     snapshot = gateway.snapshots.current
     if snapshot is None:
         return {}
-    slugs = _tenant_slugs(gateway)
-    return {(pool.name, limits.entitlement_id, slugs.get(limits.tenant_id, limits.tenant_id),
+    return {(snapshot.owners.get(limits.entitlement_id, ("", ""))[0], pool.name, limits.entitlement_id,
              str(limits.service_class)): 1.0
             for pool in snapshot.pools.values() for limits in pool.entitlements}
 
@@ -67,9 +67,10 @@ def replica_kv_usage(gateway: Gateway) -> Series:
 
 
 def register_info_gauges(gateway: Gateway) -> None:
+    gateway.metrics.owners_source = lambda: owners(gateway)
     add = gateway.metrics.add_gauge
     add("tokenpools_entitlement_info", "An entitlement's tenant and service class (value 1; join on entitlement).",
-        ("pool", "entitlement", "tenant", "service_class"), lambda: entitlement_info(gateway))
+        ("tenant", "pool", "entitlement", "service_class"), lambda: entitlement_info(gateway))
     add("tokenpools_entitlement_tokens_per_second", "The entitlement's entitled token rate.",
         ("pool", "entitlement"), lambda: _per_entitlement(gateway, seconds=False))
     add("tokenpools_entitlement_slo_ttft_seconds", "The entitlement's TTFT target.",

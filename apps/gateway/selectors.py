@@ -49,7 +49,7 @@ def gateway_active_keys() -> list[ApiKey]:
 
 
 def gateway_pools() -> list[TokenPool]:
-    return list(TokenPool.objects.prefetch_related("replicas", "entitlements"))
+    return list(TokenPool.objects.prefetch_related("replicas", "entitlements__tenant"))
 
 
 def usage_record_list(*, user: Any) -> Any:

@@ -84,6 +84,8 @@ class Snapshot:
     version: int = 0
     # Backend model name -> pool (the first pool by name serving it).
     models: Mapping[str, PoolInfo] = field(default_factory=dict)
+    # Entitlement name -> (tenant slug, pool name): the `tenant` and `pool` labels of its metrics.
+    owners: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def key_for(self, secret: str, now_epoch: float) -> KeyEntry | None:
         entry = self.keys.get(hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest())
@@ -131,6 +133,7 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
     from apps.gateway.selectors import gateway_active_keys, gateway_pools
 
     pools: dict[str, PoolInfo] = {}
+    owners: dict[str, tuple[str, str]] = {}
     limits_by_name: dict[str, dict[str, EntitlementLimits]] = {}
     for pool in gateway_pools():
         urls = tuple(r.url.rstrip("/") for r in sorted(pool.replicas.all(), key=lambda r: (r.position, r.id))
@@ -148,6 +151,7 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
             )
             for e in every
         }
+        owners.update((e.name, (e.tenant.slug, pool.name)) for e in every)
         pools[pool.name] = PoolInfo(
             name=pool.name,
             model_name=pool.model_name,
@@ -194,7 +198,7 @@ def snapshot_load(*, config: GatewayConfig, version: int = 0) -> Snapshot:
     for pool_info in pools.values():
         models.setdefault(pool_info.model_name, pool_info)
     return Snapshot(keys=MappingProxyType(keys), pools=MappingProxyType(pools), version=version,
-                    models=MappingProxyType(models))
+                    models=MappingProxyType(models), owners=MappingProxyType(owners))
 
 
 def _rules_of(ent: Any, rules: Any, by_entitlement: dict[int, tuple[QuotaRule, ...]]) -> tuple[QuotaRule, ...]:

@@ -132,11 +132,13 @@ def test_the_check_catches_an_unknown_metric_label_value_and_function(exported: 
     families, series = exported
     assert problems(extract("sum(rate(gateway_requests_admited_total[5m]))"), families, series) == [
         "gateway_requests_admited_total: no such metric family on /metrics"]
-    assert problems(extract('sum by (tenant) (gateway_requests_rejected_total{pool="tiny"})'), families, series) == [
-        "gateway_requests_rejected_total: no label 'pool' (it has ['entitlement', 'reason', 'service_class'])",
-        "label 'tenant' of by/on/group_left is on none of ['gateway_requests_rejected_total']"]
-    assert problems(extract('tokenpools_quota_limit_tokens{quota="tenants"}'), families, series) == [
-        "tokenpools_quota_limit_tokens: quota='tenants' never exported"]
+    assert problems(extract('sum by (tenant) (gateway_requests_rejected_total{quota="tiny"})'), families, series) == [
+        "gateway_requests_rejected_total: no label 'quota' (it has ['entitlement', 'pool', 'reason', "
+        "'service_class', 'tenant'])"]
+    assert problems(extract('sum by (entitlement) (tokenpools_tenant_quota_used_tokens)'), families, series) == [
+        "label 'entitlement' of by/on/group_left is on none of ['tokenpools_tenant_quota_used_tokens']"]
+    assert problems(extract('tokenpools_tenant_quota_limit_tokens{tenant="globex"}'), families, series) == [
+        "tokenpools_tenant_quota_limit_tokens: tenant='globex' never exported"]
     # A histogram is read through its series: the bare family name has none.
     assert problems(extract("gateway_ttft_seconds"), families, series) == [
         "gateway_ttft_seconds: exported without series (the test's traffic must produce some)"]
@@ -183,7 +185,8 @@ def test_the_dashboard_is_a_grafana_dashboard_on_a_prometheus_datasource_variabl
                    "tokenpools_queue_wait_seconds_bucket", "gateway_ttft_seconds_bucket",
                    "tokenpools_entitlement_slo_ttft_seconds", "gateway_tokens_total",
                    "tokenpools_entitlement_tokens_per_second", "tokenpools_entitlement_debt",
-                   "tokenpools_entitlement_burst", "tokenpools_quota_used_tokens", "flow_control_pool_budget",
+                   "tokenpools_entitlement_burst", "tokenpools_entitlement_quota_used_tokens",
+                   "tokenpools_tenant_quota_used_tokens", "flow_control_pool_budget",
                    "tokenpools_replica_kv_usage", "gateway_tier_requests_total"):
         assert family in exprs, family
 

@@ -68,13 +68,15 @@ def _wait_for_entitlement_in_flight(url: str, entitlement_name: str, count: int,
                                     until: Callable[[], bool] = lambda: False) -> bool:
     """Poll /metrics until `gateway_entitlement_in_flight` of the entitlement reaches `count`, or `held()`
     says so another way (True); or until `until()` says there is no point waiting any longer (False)."""
-    prefix = f'gateway_entitlement_in_flight{{entitlement="{entitlement_name}"}} '
+    # The series carries the entitlement's tenant and pool too (issue 28): matched on the entitlement label.
+    marker = f'entitlement="{entitlement_name}"'
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not until():
         if held():
             return True
         for line in scrape(url).splitlines():
-            if line.startswith(prefix) and float(line[len(prefix):]) >= count:
+            if (line.startswith("gateway_entitlement_in_flight{") and marker in line
+                    and float(line.rsplit(" ", 1)[1]) >= count):
                 return True
         time.sleep(0.01)
     return held()

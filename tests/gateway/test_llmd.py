@@ -94,7 +94,7 @@ def test_a_shed_request_is_a_429_and_holds_nothing(
         assert answer.headers["x-tokenpools-reject-reason"] == "upstream_shed"
     assert len(upstream.received) == 2
     # counted as refusals: on /metrics by reason, and in the usage records' rejected count
-    assert ('gateway_requests_rejected_total{entitlement="acme-chat",service_class="guaranteed",'
+    assert ('gateway_requests_rejected_total{tenant="acme",pool="tiny",entitlement="acme-chat",service_class="guaranteed",'
             'reason="upstream_shed"} 2') in scrape(h.url, token=metrics_token)
     assert sum(c.rejected for c in h.gateway.usage._pending.values()) == 2
     held = h.server.call(_held(h.gateway))

@@ -33,11 +33,18 @@ def test_an_anonymous_reader_of_the_embedded_mode_sees_totals_but_no_tenant_name
     text = response.text
     assert "acme-chat" not in text and "globex-secret-project" not in text
     assert "entitlement=" not in text and "quota=" not in text
-    # Counters are summed over the hidden label: the totals by class are still there.
-    assert 'gateway_requests_admitted_total{service_class="guaranteed"} 1' in text
-    assert 'gateway_requests_admitted_total{service_class="elastic"} 1' in text
-    assert 'gateway_tokens_total{kind="completion"} 8' in text
+    # `tenant` is a label of every per-entitlement family now (issue 28): summed away like the entitlement.
+    assert "tenant=" not in text and "acme" not in text
+    # Counters are summed over the hidden labels: the totals by pool and class are still there.
+    assert 'gateway_requests_admitted_total{pool="tiny",service_class="guaranteed"} 1' in text
+    assert 'gateway_requests_admitted_total{pool="tiny",service_class="elastic"} 1' in text
+    assert 'gateway_tokens_total{pool="tiny",kind="completion"} 8' in text
     assert 'gateway_ttft_seconds_count{pool="tiny"} 2' in text
+    # A tenant's quota and the per-entitlement gauges say nothing without their names: left out.
+    for family in ("tokenpools_tenant_quota_used_tokens", "tokenpools_entitlement_debt",
+                   "tokenpools_entitlement_info", "gateway_store_in_flight"):
+        assert f"{family}{{" not in text, family
+        assert f"# TYPE {family} gauge" in text
 
 
 def test_the_operator_may_show_labels_to_anonymous_readers_on_a_private_box(
@@ -45,7 +52,8 @@ def test_the_operator_may_show_labels_to_anonymous_readers_on_a_private_box(
     settings.METRICS_TOKEN, settings.PRODUCTION, settings.METRICS_ANONYMOUS_LABELS = "", False, True
     h = _served(settings, gateway_factory)
     text = httpx.get(h.url + "/metrics").text
-    assert 'gateway_requests_admitted_total{entitlement="globex-secret-project",service_class="elastic"} 1' in text
+    assert ('gateway_requests_admitted_total{tenant="acme",pool="tiny",entitlement="globex-secret-project",'
+            'service_class="elastic"} 1') in text
 
 
 def test_with_a_token_only_its_bearer_reads_and_sees_every_label(settings: Any, gateway_factory: Any) -> None:
@@ -79,12 +87,30 @@ def test_hidden_labels_are_summed_away_from_counters_and_histograms_and_drop_per
     metrics.ttft.observe(("tiny", "a"), 0.1)
     metrics.ttft.observe(("tiny", "b"), 0.3)
     metrics.add_gauge("tokenpools_entitlement_debt", "debt", ("pool", "entitlement"), lambda: {("tiny", "a"): 1.5})
+    metrics.add_gauge("tokenpools_tenant_quota_used_tokens", "used", ("tenant",), lambda: {("acme",): 7.0})
+    metrics.owners_source = lambda: {"a": ("acme", "tiny"), "b": ("globex", "tiny")}
     full = metrics.render().decode()
-    assert 'gateway_requests_admitted_total{entitlement="a",service_class="guaranteed"} 2' in full
-    assert 'tokenpools_entitlement_debt{pool="tiny",entitlement="a"} 1.5' in full
+    assert 'gateway_requests_admitted_total{tenant="acme",pool="tiny",entitlement="a",service_class="guaranteed"} 2' \
+        in full
+    assert 'tokenpools_entitlement_debt{tenant="acme",pool="tiny",entitlement="a"} 1.5' in full
+    assert 'gateway_ttft_seconds_count{tenant="globex",pool="tiny",entitlement="b"} 1' in full
+    assert 'tokenpools_tenant_quota_used_tokens{tenant="acme"} 7' in full
     text = metrics.render(TENANT_LABELS).decode()
-    assert 'gateway_requests_admitted_total{service_class="guaranteed"} 5' in text
+    assert 'gateway_requests_admitted_total{pool="tiny",service_class="guaranteed"} 5' in text
+    assert "tokenpools_tenant_quota_used_tokens{" not in text
     assert 'gateway_ttft_seconds_count{pool="tiny"} 2' in text
     assert 'gateway_ttft_seconds_sum{pool="tiny"} 0.4' in text
     assert "tokenpools_entitlement_debt{" not in text
-    assert 'entitlement="' not in text
+    assert 'entitlement="' not in text and 'tenant="' not in text
+
+
+def test_an_entitlement_gone_from_the_snapshot_keeps_its_tenant_and_pool() -> None:
+    """Its counters stay one series: the owners map remembers what an earlier snapshot said."""
+    metrics = GatewayMetrics()
+    metrics.admitted.inc(("old", "spot"))
+    metrics.owners_source = lambda: {"old": ("acme", "tiny")}
+    assert 'tenant="acme",pool="tiny",entitlement="old"' in metrics.render().decode()
+    metrics.owners_source = lambda: {"new": ("globex", "big")}
+    text = metrics.render().decode()
+    assert 'gateway_requests_admitted_total{tenant="acme",pool="tiny",entitlement="old",service_class="spot"} 1' \
+        in text

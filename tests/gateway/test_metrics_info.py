@@ -22,13 +22,13 @@ def test_info_entitled_rate_slo_and_replica_gauges(gateway_factory: Any, upstrea
                         extra_entitlements={"acme-batch": {"service_class": "elastic", "tokens_per_second": 50}})
     h.server.call(h.gateway.loops.health_check())
     text = scrape(h.url)
-    assert ('tokenpools_entitlement_info{pool="tiny",entitlement="acme-chat",tenant="acme",'
+    assert ('tokenpools_entitlement_info{tenant="acme",pool="tiny",entitlement="acme-chat",'
             'service_class="guaranteed"} 1') in text
-    assert ('tokenpools_entitlement_info{pool="tiny",entitlement="acme-batch",tenant="acme",'
+    assert ('tokenpools_entitlement_info{tenant="acme",pool="tiny",entitlement="acme-batch",'
             'service_class="elastic"} 1') in text
-    assert 'tokenpools_entitlement_tokens_per_second{pool="tiny",entitlement="acme-chat"} 1234' in text
-    assert 'tokenpools_entitlement_tokens_per_second{pool="tiny",entitlement="acme-batch"} 50' in text
-    assert 'tokenpools_entitlement_slo_ttft_seconds{pool="tiny",entitlement="acme-chat"} 1.5' in text
+    assert 'tokenpools_entitlement_tokens_per_second{tenant="acme",pool="tiny",entitlement="acme-chat"} 1234' in text
+    assert 'tokenpools_entitlement_tokens_per_second{tenant="acme",pool="tiny",entitlement="acme-batch"} 50' in text
+    assert 'tokenpools_entitlement_slo_ttft_seconds{tenant="acme",pool="tiny",entitlement="acme-chat"} 1.5' in text
     assert f'tokenpools_replica_healthy{{pool="tiny",replica="{upstream.url}"}} 1' in text
     assert f'tokenpools_replica_healthy{{pool="tiny",replica="{down.url}"}} 0' in text
     assert f'tokenpools_replica_kv_usage{{pool="tiny",replica="{upstream.url}"}} 0.375' in text

@@ -65,8 +65,8 @@ def test_over_its_concurrency_every_request_waits_and_is_served(gateway_factory:
     assert upstream.peak <= 2
     assert h.usage().in_flight == 0 and queued_in_store(h) == 0
     text = scrape(h.url)
-    assert 'tokenpools_queue_wait_seconds_count{entitlement="acme-chat"} 4' in text
-    assert 'tokenpools_queue_depth{entitlement="acme-chat"} 0' in text
+    assert 'tokenpools_queue_wait_seconds_count{tenant="acme",pool="tiny",entitlement="acme-chat"} 4' in text
+    assert 'tokenpools_queue_depth{tenant="acme",pool="tiny",entitlement="acme-chat"} 0' in text
     assert 'flow_control_queue_size{pool="tiny"} 0' in text
 
 

@@ -148,11 +148,11 @@ def test_metrics_export_the_quota_as_the_store_holds_it(gateway_factory: Any, up
                                                         metrics_token: str) -> None:
     upstream, _ = upstream_factory(max_output=4)
     h = gateway_factory(upstreams=[upstream], entitlement={"quota_tokens": 40, "quota_window": "day"})
-    labels = f'{{entitlement="{h.entitlement.name}",quota="entitlement"}}'
+    labels = f'{{tenant="acme",pool="tiny",entitlement="{h.entitlement.name}"}}'
     used = _cost(_post(h)) + _cost(_post(h))
     deadline = time.monotonic() + 10
-    while _gauge(h.url, "tokenpools_quota_used_tokens", labels) != used:
-        assert time.monotonic() < deadline, (_gauge(h.url, "tokenpools_quota_used_tokens", labels), used)
+    while _gauge(h.url, "tokenpools_entitlement_quota_used_tokens", labels) != used:
+        assert time.monotonic() < deadline, (_gauge(h.url, "tokenpools_entitlement_quota_used_tokens", labels), used)
         time.sleep(0.2)
-    assert _gauge(h.url, "tokenpools_quota_limit_tokens", labels) == 40
-    assert _gauge(h.url, "tokenpools_quota_reserved_tokens", labels) == 0
+    assert _gauge(h.url, "tokenpools_entitlement_quota_limit_tokens", labels) == 40
+    assert _gauge(h.url, "tokenpools_entitlement_quota_reserved_tokens", labels) == 0

@@ -102,7 +102,7 @@ def test_a_store_stopped_and_restarted_with_its_data_leaves_nothing_held(
         print(f"\nRedis stopped and restarted: all {CONCURRENCY} slots admitted {elapsed:.2f} s after its return")
     assert elapsed < BACK_WITHIN_S, elapsed
     deadline = time.monotonic() + 5
-    while _gauge(h.url, "gateway_store_in_flight", '{pool="tiny",entitlement="acme-chat"}') != 0:
+    while _gauge(h.url, "gateway_store_in_flight", '{tenant="acme",pool="tiny",entitlement="acme-chat"}') != 0:
         assert time.monotonic() < deadline, "the store's own view still counts requests in flight"
         time.sleep(0.2)
 
@@ -121,7 +121,7 @@ def test_a_frozen_store_leaves_nothing_held_once_it_thaws(
 def test_metrics_export_the_stores_debt_burst_and_priority(gateway_factory: Any, upstream_factory: Any) -> None:
     upstream, _ = upstream_factory()
     h = gateway_factory(upstreams=[upstream], entitlement={"concurrency": CONCURRENCY})
-    labels = '{pool="tiny",entitlement="acme-chat"}'
+    labels = '{tenant="acme",pool="tiny",entitlement="acme-chat"}'
     deadline = time.monotonic() + 10
     while _gauge(h.url, "tokenpools_entitlement_priority", labels) is None:
         assert time.monotonic() < deadline, "no priority gauge within 10 s"

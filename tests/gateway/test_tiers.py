@@ -90,10 +90,10 @@ def test_metrics_usage_and_summary_count_per_served_tier(gateway_factory: Any, m
     for _ in range(2):
         assert httpx.post(h.url + "/v1/chat/completions", json=CHAT, headers=h.auth()).status_code == 200
     text = scrape(h.url, token=metrics_token)
-    assert 'gateway_tier_requests_total{entitlement="acme-chat",tier="spot"} 2' in text
-    assert 'gateway_tier_tokens_total{entitlement="acme-chat",tier="spot",kind="completion"} 6' in text
-    assert 'gateway_tier_tokens_total{entitlement="acme-chat",tier="spot",kind="prompt"} 10' in text
-    assert 'gateway_tokens_total{entitlement="acme-chat",kind="completion"} 6' in text
+    assert 'gateway_tier_requests_total{tenant="acme",pool="tiny",entitlement="acme-chat",tier="spot"} 2' in text
+    assert 'gateway_tier_tokens_total{tenant="acme",pool="tiny",entitlement="acme-chat",tier="spot",kind="completion"} 6' in text
+    assert 'gateway_tier_tokens_total{tenant="acme",pool="tiny",entitlement="acme-chat",tier="spot",kind="prompt"} 10' in text
+    assert 'gateway_tokens_total{tenant="acme",pool="tiny",entitlement="acme-chat",kind="completion"} 6' in text
     assert 'tier="guaranteed"' not in text
 
     usage_records_upsert_batch(dict(h.gateway.usage._pending))

@@ -79,12 +79,12 @@ def test_gateway_accumulates_usage_and_exposes_metrics(gateway_factory: Any, met
     assert metrics.status_code == 200
     assert metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
-    assert 'gateway_requests_admitted_total{entitlement="acme-chat",service_class="guaranteed"} 1' in text
-    assert ('gateway_requests_rejected_total{entitlement="acme-chat",service_class="guaranteed",'
+    assert 'gateway_requests_admitted_total{tenant="acme",pool="tiny",entitlement="acme-chat",service_class="guaranteed"} 1' in text
+    assert ('gateway_requests_rejected_total{tenant="acme",pool="tiny",entitlement="acme-chat",service_class="guaranteed",'
             'reason="context_length_exceeded"} 1') in text
-    assert 'gateway_ttft_seconds_count{pool="tiny",entitlement="acme-chat"} 1' in text
+    assert 'gateway_ttft_seconds_count{tenant="acme",pool="tiny",entitlement="acme-chat"} 1' in text
     assert 'gateway_request_duration_seconds_bucket{pool="tiny",le="+Inf"} 1' in text
-    assert 'tokenpools_queue_depth{entitlement="acme-chat"}' not in text  # nobody ever waited
+    assert 'tokenpools_queue_depth{tenant="acme",pool="tiny",entitlement="acme-chat"}' not in text  # nobody ever waited
     assert 'flow_control_pool_budget{pool="tiny"}' in text
     assert 'flow_control_queue_size{pool="tiny"} 0' in text
     assert 'flow_control_budget_utilization{pool="tiny"} 0' in text
