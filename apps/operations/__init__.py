@@ -4,7 +4,7 @@ Pools depend on tenancy (an entitlement belongs to a tenant), so tenancy cannot 
 cycle. What needs both lives here, calling the services and selectors of each (zulip's `zerver/actions`,
 the HackSoft style guide's services), and the REST endpoints that need both sit beside it:
 
-tenants.py      `tenant_delete`: delete a tenant, then rebind the pools its entitlements held capacity in.
+tenants.py      `tenant_save` (and `tenant_delete`, from apps.pools.services: the one tenant delete).
 serializers.py  `ApiKeySerializer`: an API key names an entitlement (pools) the requesting user may see.
 api.py          `TenantViewSet` (its delete is `tenant_delete`) and `ApiKeyViewSet` (/api/v1/tenants, /keys).
 

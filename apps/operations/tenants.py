@@ -7,12 +7,10 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
-from apps.pools.selectors import pool_list_for_tenant
-from apps.pools.services import money_quota_problem, pool_rebind
+from apps.pools.services import money_quota_problem, tenant_delete
 from apps.tenancy import services as tenancy_services
 from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import Tenant
-from apps.tenancy.permissions import require_superuser
 
 
 def tenant_quota_check(tenant: Tenant) -> None:
@@ -35,12 +33,4 @@ def tenant_save(*, actor: AnyUser, tenant: Tenant | None = None, **fields: Any) 
     return saved
 
 
-@transaction.atomic
-def tenant_delete(*, actor: AnyUser, tenant: Tenant) -> None:
-    """Delete a tenant with its memberships, entitlements and keys (superusers only), then rebind the pools
-    its entitlements held capacity in, so that the Degraded entitlements of other tenants can bind there."""
-    require_superuser(actor, "delete tenants")
-    pools = pool_list_for_tenant(tenant=tenant)  # before the cascade takes the entitlements away
-    tenant.delete()
-    for pool in pools:
-        pool_rebind(pool=pool, reason=f"tenant {tenant.slug} deleted")
+__all__ = ["tenant_delete", "tenant_quota_check", "tenant_save"]

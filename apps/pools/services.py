@@ -46,6 +46,7 @@ from apps.pools.models import (
     TokenEntitlement,
     TokenPool,
 )
+from apps.pools.selectors import pool_list_for_tenant
 from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import Tenant
 from apps.tenancy.permissions import require_owner, require_superuser
@@ -520,3 +521,14 @@ def can_edit_entitlements(*, user: AnyUser, tenant: Tenant) -> bool:
     """Whether the user may create/change/delete the tenant's entitlements (for UIs to show buttons)."""
     return user_role(user=user, tenant=tenant) == "owner"
 
+
+@transaction.atomic
+def tenant_delete(*, actor: AnyUser, tenant: Tenant) -> None:
+    """Delete a tenant with its memberships, entitlements and keys (superusers only), then rebind the pools
+    its entitlements held capacity in, so that the Degraded entitlements of other tenants can bind there. The
+    one tenant delete: the UI, the REST API and `manage.py delete -f` all call it."""
+    require_superuser(actor, "delete tenants")
+    pools = pool_list_for_tenant(tenant=tenant)  # before the cascade takes the entitlements away
+    tenant.delete()
+    for pool in pools:
+        pool_rebind(pool=pool, reason=f"tenant {tenant.slug} deleted")

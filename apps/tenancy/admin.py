@@ -28,7 +28,7 @@ class TenantAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
         # Deleting a tenant frees the capacity its entitlements reserved, so the pools must be rebound in the
-        # same operation (apps.operations.tenants.tenant_delete): the UI and the REST API do that; a bare
+        # same operation (apps.pools.services.tenant_delete): the UI and the REST API do that; a bare
         # admin delete would leave other entitlements Degraded for no reason.
         return False
 

@@ -6,7 +6,7 @@ messages dict) for bad input and ``django.core.exceptions.PermissionDenied`` for
 nothing is written in either case (each service runs in one transaction).
 
 Deleting a tenant also rebinds the pools its entitlements held capacity in, so it spans tenancy and pools
-and lives one layer above both: ``apps.operations.tenants.tenant_delete``.
+and lives one layer above both: ``apps.pools.services.tenant_delete``.
 """
 
 from __future__ import annotations

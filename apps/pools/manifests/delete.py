@@ -32,11 +32,10 @@ from apps.pools.manifests.reader import (
     model_errors,
 )
 from apps.pools.models import EntitlementState, TokenEntitlement
-from apps.pools.selectors import entitlement_list, pool_list, pool_list_for_tenant
-from apps.pools.services import entitlement_delete, pool_delete, pool_rebind
+from apps.pools.selectors import entitlement_list, pool_list
+from apps.pools.services import entitlement_delete, pool_delete, tenant_delete
 from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import Tenant
-from apps.tenancy.permissions import require_superuser
 from apps.tenancy.selectors import tenant_list
 
 
@@ -59,16 +58,6 @@ class DeleteResult:
 
 class _Rollback(Exception):
     """Raised inside the transaction to roll back a dry run."""
-
-
-def tenant_delete(*, actor: AnyUser, tenant: Tenant) -> None:
-    """The steps of `apps.operations.tenants.tenant_delete` (which pools may not import): superusers only; the
-    tenant goes with its memberships, entitlements and keys, then the pools it held capacity in rebind."""
-    require_superuser(actor, "delete tenants")
-    pools = pool_list_for_tenant(tenant=tenant)  # before the cascade takes the entitlements away
-    tenant.delete()
-    for pool in pools:
-        pool_rebind(pool=pool, reason=f"tenant {tenant.slug} deleted")
 
 
 def _identities(documents: list[Any]) -> list[tuple[int, str, str]]:
