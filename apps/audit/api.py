@@ -1,11 +1,11 @@
-"""``GET /api/v1/audit/``: the audit log, newest first, paginated and filtered like the other lists; read-only.
+"""``GET /api/v1/audit/`` (and ``/api/v1/audit/ID/``): the audit log, newest first, paginated and filtered like the other lists; read-only.
 A tenant's owners see their tenants' entries, superusers all (``apps.audit.selectors.audit_entry_list``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import mixins, serializers, viewsets
+from rest_framework import serializers, viewsets
 
 from apps.audit.models import AuditEntry
 from apps.audit.selectors import AuditEntryFilter, audit_entry_list
@@ -22,7 +22,7 @@ class AuditEntrySerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class AuditEntryViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+class AuditEntryViewSet(viewsets.ReadOnlyModelViewSet):
     """Who changed which tenant, membership, user role, pool, replica, entitlement or key, when, through what
     (ui, api, apply, delete, prune, admin, command, system), with the fields before and after."""
 

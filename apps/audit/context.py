@@ -34,11 +34,13 @@ class Acting:
         return pk, name or SYSTEM_NAME
 
 
-_current: ContextVar[Acting] = ContextVar("audit_acting", default=Acting())
+# Nothing set (a control loop, a shell, a command that sets nothing): the system acts.
+_SYSTEM = Acting()
+_current: ContextVar[Acting | None] = ContextVar("audit_acting", default=None)
 
 
 def current() -> Acting:
-    return _current.get()
+    return _current.get() or _SYSTEM
 
 
 @contextmanager
@@ -48,7 +50,7 @@ def acting(*, channel: str, user: Any = None, request: Any = None) -> Iterator[A
         raise ValueError(f"unknown audit channel {channel!r}")
     token = _current.set(Acting(channel=channel, user=user, request=request))
     try:
-        yield _current.get()
+        yield current()
     finally:
         _current.reset(token)
 
@@ -58,7 +60,7 @@ def through(channel: str) -> Iterator[None]:
     """The same actor, another way in (``apply --prune`` deletes as ``prune``)."""
     if channel not in CHANNELS:
         raise ValueError(f"unknown audit channel {channel!r}")
-    token = _current.set(replace(_current.get(), channel=channel))
+    token = _current.set(replace(current(), channel=channel))
     try:
         yield
     finally:

@@ -127,7 +127,7 @@ def _before_save(sender: type[models.Model], instance: models.Model, raw: bool =
         return
     _spec, fields = _fields[sender]
     if update_fields is not None:
-        named = {sender._meta.get_field(f).attname for f in update_fields}
+        named = {getattr(sender._meta.get_field(f), "attname", f) for f in update_fields}
         fields = tuple(f for f in fields if f in named)
         if not fields:  # only unaudited fields (binding state, scrapes): nothing to read or record
             return
