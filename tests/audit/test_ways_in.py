@@ -200,3 +200,22 @@ def test_user_roles_are_audited_and_logins_and_bookkeeping_are_not(admin: Any, a
     big.state_reason = "checked again"
     big.save(update_fields=["state_reason"])
     assert AuditEntry.objects.count() == count
+
+
+@pytest.mark.django_db(transaction=True)
+def test_under_asgi_a_token_call_is_attributed_to_its_user(admin: Any, acme: Any, owner: Any, pool: Any) -> None:
+    """As uvicorn serves the site: the middleware and the view run in threads of the ASGI handler, and the
+    token is authenticated only inside the view."""
+    import asyncio
+
+    from django.test import AsyncClient
+    from rest_framework.authtoken.models import Token
+
+    token = Token.objects.create(user=owner).key
+    body = {"name": "acme-asgi", "tenant": "acme", "pool": pool.name, "service_class": "spot",
+            "slo_target_ms": 500, "tokens_per_second": 10, "kv_cache_gib": "1", "concurrency": 1}
+    response = asyncio.run(AsyncClient().post("/api/v1/entitlements/", body, content_type="application/json",
+                                              headers={"authorization": f"Token {token}"}))
+    assert response.status_code == 201, response.content
+    entry = last(kind="TokenEntitlement", object_name="acme-asgi")
+    assert (entry.actor_username, entry.actor_id, entry.through) == ("olivia", owner.pk, "api")
