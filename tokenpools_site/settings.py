@@ -57,6 +57,7 @@ INSTALLED_APPS = [
     "apps.gateway",
     "apps.dashboard",
     "apps.simulator",
+    "apps.audit",
     "workers",
 ]
 
@@ -68,6 +69,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Who changes what, through which way in (apps.audit): after the session user is known.
+    "apps.audit.middleware.AuditMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
+from apps.audit.views import audit_page
 from apps.dashboard import views
 from apps.dashboard.usage import usage_page
 
@@ -28,6 +29,7 @@ urlpatterns = [
     path("pools/<str:name>/delete/", views.pool_delete, name="pool-delete"),
     path("pools/<str:name>/replicas/<int:replica_id>/toggle/", views.replica_toggle, name="replica-toggle"),
     path("usage/", usage_page, name="usage"),
+    path("audit/", audit_page, name="audit"),
     path("tenants/", views.tenant_list, name="tenant-list"),
     path("tenants/new/", views.tenant_create, name="tenant-create"),
     path("tenants/<str:slug>/", views.tenant_detail, name="tenant-detail"),

@@ -37,6 +37,7 @@ from django.core.validators import URLValidator
 from django.db import transaction
 from django.utils import timezone
 
+from apps.audit.recorder import record_created
 from apps.pools.models import (
     GIB,
     Capacity,
@@ -264,10 +265,14 @@ def money_quota_problem(owner: Any, pool: TokenPool, what: str) -> str | None:
 
 
 def _replace_replicas(pool: TokenPool, replicas: list[dict[str, Any]]) -> None:
+    current = [(r.url, r.enabled) for r in pool.replicas.order_by("position", "id")]
+    if current == [(r["url"], r["enabled"]) for r in replicas]:
+        return  # the same list: keep the rows (their scrapes, and no delete/create in the audit log)
     pool.replicas.all().delete()
-    Replica.objects.bulk_create(
+    created = Replica.objects.bulk_create(
         [Replica(pool=pool, url=r["url"], enabled=r["enabled"], position=i) for i, r in enumerate(replicas)]
     )
+    record_created(created)  # bulk_create sends no signals
 
 
 @transaction.atomic

@@ -55,4 +55,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     @admin.action(description="Revoke selected keys")
     def revoke(self, request: Any, queryset: Any) -> None:
-        queryset.filter(revoked_at__isnull=True).update(revoked_at=timezone.now())
+        # One save per key, not QuerySet.update(): each revocation is recorded in the audit log.
+        now = timezone.now()
+        for key in queryset.filter(revoked_at__isnull=True):
+            key.revoked_at = now
+            key.save(update_fields=["revoked_at"])

@@ -30,6 +30,7 @@ LISTS = [
     "/api/v1/entitlements/acme-g/history/",
     "/api/v1/keys/",
     "/api/v1/usage/",
+    "/api/v1/audit/",
 ]
 
 BAD_LIMITS = ["abc", "-1", "0", "1.5", " 7", "+7", "7_0", "\u0663", "", "501", "9223372036854775808",

@@ -19,6 +19,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import Model
 
+from apps.audit.context import through
 from apps.pools.manifests.apply import manifests_apply
 from apps.pools.manifests.limits import excerpt
 from apps.pools.manifests.reader import (
@@ -185,7 +186,8 @@ def _prune(actor: AnyUser, tenant_slug: str, keep: set[str]) -> list[Deleted]:
     if tenant is None:  # a tenant the manifest declares, in a dry run (not created): it has no entitlements
         return []
     stale = _outside(TokenEntitlement.objects.filter(tenant=tenant).select_related("tenant"), keep)
-    return _run_deletes(actor, [(None, "TokenEntitlement", ent, "pruned") for ent in stale])
+    with through("prune"):  # the audit log tells pruned objects from deleted ones
+        return _run_deletes(actor, [(None, "TokenEntitlement", ent, "pruned") for ent in stale])
 
 
 def _declares_tenant(documents: list[Any], slug: str) -> bool:

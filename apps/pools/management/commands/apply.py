@@ -23,6 +23,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from apps.audit.context import acting
 from apps.pools.management.commands._actor import add_manifest_arguments, resolve_actor
 from apps.pools.manifests import ApplyResult, ManifestError, manifests_apply
 from apps.pools.manifests.delete import Deleted, manifests_apply_prune
@@ -54,11 +55,12 @@ class Command(BaseCommand):
             raise CommandError("\n".join(exc.problems)) from exc
         pruned: list[Deleted] = []
         try:
-            if options["prune"]:
-                result, pruned = manifests_apply_prune(actor=actor, documents=merged.documents,
-                                                       tenant_slug=options["tenant"], dry_run=options["dry_run"])
-            else:
-                result = manifests_apply(actor=actor, documents=merged.documents, dry_run=options["dry_run"])
+            with acting(channel="apply", user=actor):  # the audit log's who and through what
+                if options["prune"]:
+                    result, pruned = manifests_apply_prune(actor=actor, documents=merged.documents,
+                                                           tenant_slug=options["tenant"], dry_run=options["dry_run"])
+                else:
+                    result = manifests_apply(actor=actor, documents=merged.documents, dry_run=options["dry_run"])
         except ManifestError as exc:
             raise CommandError("nothing applied:\n" + "\n".join(describe_issues(exc.issues, merged.origins))) from exc
         self._report(result, pruned)

@@ -15,6 +15,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from apps.audit.context import acting
 from apps.pools.models import TokenEntitlement
 from apps.tenancy.models import ApiKey
 from apps.tenancy.services import DEFAULT_ROTATION_GRACE_S, SYSTEM, apikey_create, apikey_rotate
@@ -33,6 +34,10 @@ class Command(BaseCommand):
                             help="with --rotate: how long the replaced secret keeps working (0: revoked at once)")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        with acting(channel="command", user=SYSTEM):  # the audit log's who and through what
+            self._handle(options)
+
+    def _handle(self, options: dict[str, Any]) -> None:
         if options["rotate"] is not None:
             if options["entitlement"] or options["expires_in_days"] is not None or options["name"]:
                 raise CommandError("--rotate keeps the key's entitlement, name and expiry: give only --grace-s")

@@ -18,6 +18,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from apps.audit.context import acting
 from apps.pools.management.commands._actor import add_manifest_arguments, resolve_actor
 from apps.pools.manifests import ManifestError
 from apps.pools.manifests.delete import DeleteResult, manifests_delete
@@ -43,8 +44,9 @@ class Command(BaseCommand):
         except SourceError as exc:
             raise CommandError("\n".join(exc.problems)) from exc
         try:
-            result = manifests_delete(actor=actor, documents=merged.documents, cascade=options["cascade"],
-                                      dry_run=options["dry_run"])
+            with acting(channel="delete", user=actor):  # the audit log's who and through what
+                result = manifests_delete(actor=actor, documents=merged.documents, cascade=options["cascade"],
+                                          dry_run=options["dry_run"])
         except ManifestError as exc:
             problems = "\n".join(describe_issues(exc.issues, merged.origins))
             raise CommandError("nothing deleted:\n" + problems) from exc
