@@ -1,11 +1,11 @@
-"""REST API routes under /api/v1/ (tenants, users, memberships, pools, entitlements, keys, usage, apply, export)."""
+"""REST API routes under /api/v1/ (tenants, users, memberships, pools, entitlements, keys, usage, requests, apply, export)."""
 
 from __future__ import annotations
 
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-from apps.gateway.api import UsageRecordViewSet
+from apps.gateway.api import RequestLogViewSet, UsageRecordViewSet
 from apps.operations.api import ApiKeyViewSet, EntitlementViewSet, TenantViewSet
 from apps.pools.api import ApplyView, DiffView, ExportView, PoolViewSet
 from apps.tenancy.api import MembershipViewSet, UserViewSet
@@ -20,6 +20,7 @@ router.register("pools", PoolViewSet, basename="pool")
 router.register("entitlements", EntitlementViewSet, basename="entitlement")
 router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("usage", UsageRecordViewSet, basename="usage")
+router.register("requests", RequestLogViewSet, basename="request")
 
 urlpatterns = [
     path("apply", ApplyView.as_view(), name="apply"),
