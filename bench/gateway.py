@@ -2,7 +2,7 @@
 through LiteLLM's proxy, measured with wrk in one run.
 
     python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
-                            [--write-results]
+                            [--request-log on|off|both] [--stores memory redis] [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
@@ -16,6 +16,10 @@ Two kinds of measurement per target:
   (each connection waits an exponential time of mean 32/rate s before its next request). Below a target's capacity this gives the latency the proxy adds to
   each request while 32 streams are open and the process is not saturated; the lowest default rate (50/s)
   is below LiteLLM's capacity too, so the two are compared there.
+
+The request log (issue 26) costs what it costs on the request path: with `--request-log both` (the default)
+every store runs two servers of the same site side by side, the log on (`GATEWAY_REQUEST_LOG_DAYS=7`) and off
+(`=0`, label `, log off`), measured in alternation (`measure_alternating`); the report adds their ratios.
 """
 
 from __future__ import annotations
@@ -145,16 +149,21 @@ def measure_sites(sites: list[tuple[str, PreparedSite]], args: argparse.Namespac
     """Each site with the in-process store, then with Redis; with several sites (this commit and a baseline)
     their servers run side by side and are measured in alternation (`measure_alternating`)."""
     rows: list[Measurement] = []
-    for store in ("memory", "redis"):
+    logs = {"on": [True], "off": [False], "both": [True, False]}[args.request_log]
+    for store in args.stores:
         with contextlib.ExitStack() as stack:
             targets = []
             for suffix, site in sites:
-                env = None
+                env: dict[str, str] = {}
                 if store == "redis":
                     env = {"REDIS_URL": stack.enter_context(running_redis()), "GATEWAY_STATE_BACKEND": "redis"}
-                url, _ = stack.enter_context(serving(site, env=env, log_name=f"gateway-{store}-{site.repo.name}.log",
-                                                     cpu_core=SERVER_CORE))
-                targets.append((f"tokenpools ({store}){suffix}", url, site.keys["bench"]))
+                for log in logs if not suffix else [True]:  # a baseline commit: as it runs by default
+                    name = f"{store}{'' if log else '-nolog'}-{site.repo.name}"
+                    url, _ = stack.enter_context(serving(
+                        site, env={**env, "GATEWAY_REQUEST_LOG_DAYS": "7" if log else "0"},
+                        log_name=f"gateway-{name}.log", cpu_core=SERVER_CORE))
+                    label = f"tokenpools ({store}{'' if log else ', log off'}){suffix}"
+                    targets.append((label, url, site.keys["bench"]))
             if len(targets) == 1:
                 rows += measure(*targets[0], args, workdir)
             else:
@@ -293,7 +302,8 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
     lines = [
         f"Command: `python -m bench.gateway --duration {args.duration} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --paced-rate {' '.join(f'{r:g}' for r in args.paced_rate)}"
-        f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}`  ",
+        f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}"
+        f" --request-log {args.request_log} --stores {' '.join(args.stores)}`  ",
         f"Machine: {machine_description()}; proxy pinned to core 0, nginx + Redis + wrk on core 1  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -340,7 +350,39 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
             ratio_paced = _added_ratio(paced_by_target[target], paced_by_target["litellm"], paced_by_target["direct"])
         lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_closed} | {ratio_paced} |")
     lines += _baseline_rows(rows)
+    lines += _request_log_rows(rows)
     return "\n".join(lines)
+
+
+LOG_OFF = ", log off)"
+
+
+def _request_log_rows(rows: list[Measurement]) -> list[str]:
+    """The request log on against off, measured side by side in the same run: requests/s on / off (target:
+    within 5%, >= 0.95) and the latency each adds over direct."""
+    by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
+    direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
+    lines = ["", "Request log on against off (same run: both servers up side by side, measured in alternation, each "
+             "figure the median of 3 rounds; target: requests/s with the log on within 5% of off):", "",
+             "| store | load | req/s on (off) | on / off | added p50 ms on (off) | added p99 ms on (off) | within 5% |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    found = False
+    for (target, concurrency, rate), off in by_key.items():
+        if not target.endswith(LOG_OFF):
+            continue
+        on = by_key.get((target[: -len(LOG_OFF)] + ")", concurrency, rate))
+        plain = direct.get((concurrency, rate))
+        if on is None or plain is None or not off.requests_per_s:
+            continue
+        found = True
+        ratio = on.requests_per_s / off.requests_per_s
+        load = f"{concurrency} streams" if rate is None else f"paced {rate:g}/s"
+        store = target.split("(")[1].split(",")[0]
+        lines.append(
+            f"| {store} | {load} | {on.requests_per_s:.0f} ({off.requests_per_s:.0f}) | {ratio:.3f} "
+            f"| {on.p50_ms - plain.p50_ms:.2f} ({off.p50_ms - plain.p50_ms:.2f}) "
+            f"| {on.p99_ms - plain.p99_ms:.2f} ({off.p99_ms - plain.p99_ms:.2f}) | {'yes' if ratio >= 0.95 else 'NO'} |")
+    return lines if found else []
 
 
 def _baseline_rows(rows: list[Measurement]) -> list[str]:
@@ -404,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (when var/litellm-venv is missing)")
     parser.add_argument("--baseline", metavar="REF",
                         help="also measure the gateway of this commit (e.g. HEAD~1), side by side in the same run")
+    parser.add_argument("--request-log", choices=["on", "off", "both"], default="both",
+                        help="the gateway's request log (GATEWAY_REQUEST_LOG_DAYS 7 or 0); both: side by side")
+    parser.add_argument("--stores", nargs="+", choices=["memory", "redis"], default=["memory", "redis"],
+                        help="the gateway state stores to measure")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None or shutil.which("nginx") is None:

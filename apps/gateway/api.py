@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import django_filters
-from django.http import StreamingHttpResponse
+from django.http import Http404, StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, renderers, serializers, viewsets
 from rest_framework.decorators import action
@@ -123,6 +123,12 @@ class RequestLogViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
 
     def get_queryset(self) -> Any:
         return request_log_list(user=self.request.user)
+
+    def perform_content_negotiation(self, request: Request, force: bool = False) -> Any:
+        try:
+            return super().perform_content_negotiation(request, force)
+        except Http404:  # DRF's answer to an unknown ?format=: bad input here, a field error like the filters'
+            raise ValidationError({"format": ["must be json or jsonl"]}) from None
 
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         if request.accepted_renderer.format != "jsonl":

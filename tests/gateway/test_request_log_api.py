@@ -11,7 +11,6 @@ import pytest
 from rest_framework.test import APIClient
 
 from apps.gateway.request_log import Entry, request_log_write
-from tests.pools.factories import member, outsider, owner  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 
@@ -82,6 +81,8 @@ def test_bad_filters_are_field_errors(records: None, admin: Any) -> None:
     assert set(response.json()) == {"since", "until"}
     response = client.get("/api/v1/requests/", {"outcome": "won"})
     assert response.status_code == 400 and "outcome" in response.json()
+    unknown = client.get("/api/v1/requests/", {"format": "csv"})
+    assert unknown.status_code == 400 and "format" in unknown.json()
     jsonl = client.get("/api/v1/requests/", {"format": "jsonl", "since": "nope"})
     assert jsonl.status_code == 400 and "since" in json.loads(jsonl.content)
 
