@@ -176,7 +176,7 @@ class RequestLog:
             return 0
         entries = self._take()
         try:
-            return await asyncio.to_thread(request_log_write, entries)
+            return await asyncio.to_thread(_write_in_thread, entries)
         except BaseException:
             self._put_back(entries)
             raise
@@ -192,7 +192,7 @@ class RequestLog:
                 if not raw:
                     break
                 entries = [Entry(*json.loads(item)) for item in raw]
-                written += await asyncio.to_thread(request_log_write, entries)
+                written += await asyncio.to_thread(_write_in_thread, entries)
                 if not await self.redis.eval(_TRIM, 2, self.list_key, self.lock_key, token, len(raw),
                                              DRAIN_LEASE_MS):
                     break  # the lock ran out and another flush took over: it trims what it writes
@@ -208,17 +208,23 @@ _COLUMNS = ("request_id", "arrived_at", "tenant_id", "pool", "entitlement", "ser
             "duration_ms")
 
 
+def _write_in_thread(entries: list[Entry]) -> int:
+    from django.db import close_old_connections
+
+    close_old_connections()  # a worker thread's connection the database may have closed meanwhile
+    return request_log_write(entries)
+
+
 def request_log_write(entries: list[Entry]) -> int:
     """Write records (a worker thread) in one transaction; one already there (by request id) is left as it is.
 
     One prepared INSERT run for every row (`executemany`), not the ORM's `bulk_create`: building a model and
     preparing its 16 fields took about 6 times the CPU a row (measured 2026-11-26: ~370 against ~60 us on a
     loaded 2-core machine), CPU this process's requests lose (the GIL); `python -m bench.request_log`."""
-    from django.db import close_old_connections, connection, transaction
+    from django.db import connection, transaction
 
     from apps.gateway.models import RequestLogRecord
 
-    close_old_connections()
     quote = connection.ops.quote_name
     adapt = connection.ops.adapt_datetimefield_value
     utc = dt.UTC

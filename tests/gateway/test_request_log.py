@@ -149,6 +149,7 @@ def test_records_pushed_to_redis_survive_their_process(redis_url: str, acme: Any
     assert (record.request_id, record.max_tokens, record.ttft_ms) == ("req_survivor", None, 12.5)
 
 
+@pytest.mark.postgres
 def test_a_batch_written_twice_is_written_once(acme: Any) -> None:
     entry = Entry("req_twice", time.time(), acme.pk, "tiny", "acme-chat", "guaranteed", "", False, 5, 8, 0,
                   "rejected", "queue_timeout", 1000.0, None, 1001.0)
@@ -157,6 +158,7 @@ def test_a_batch_written_twice_is_written_once(acme: Any) -> None:
     assert RequestLogRecord.objects.count() == 1
 
 
+@pytest.mark.postgres
 def test_retention_deletes_records_older_than_the_setting(acme: Any, settings: Any) -> None:
     from workers.services import tick_request_log
 

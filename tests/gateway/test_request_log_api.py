@@ -12,7 +12,7 @@ from rest_framework.test import APIClient
 
 from apps.gateway.request_log import Entry, request_log_write
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.api, pytest.mark.django_db]
 
 T0 = dt.datetime(2026, 11, 26, 12, 0, tzinfo=dt.UTC).timestamp()
 
