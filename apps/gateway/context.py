@@ -35,8 +35,9 @@ class Served:
     completion_tokens: int | None = None
     chunks: int = 0
     first_chunk_at: float | None = None
-    # The backend broke off mid-stream (the client got an error event): an error in the request log.
-    broken: bool = False
+    # How the backend broke off mid-stream (httpx's exception name; the client got an error event), for the
+    # request log: "" when it did not.
+    broken: str = ""
 
     def counts(self, input_tokens: int) -> tuple[int, int]:
         """(prompt, completion) tokens to account: the backend's usage when it gave one; else the prompt as

@@ -102,7 +102,7 @@ async def _relay_stream(ctx: RequestContext, response: httpx.Response, parsed: P
         except httpx.HTTPError as exc:
             # The backend broke off mid-stream: end the client's stream with an error event.
             logger.warning("backend stream of %s failed: %s", ctx.request_id, type(exc).__name__)
-            served.broken = True
+            served.broken = type(exc).__name__
             body = b"data: " + error_body("The backend stream failed.", "server_error", "upstream_error")
             return Ending(body + b"\n\ndata: [DONE]\n\n")
         pending += chunk

@@ -88,8 +88,8 @@ class Entry(NamedTuple):
 def outcome_of(ctx: RequestContext, exc: BaseException | None) -> tuple[str, str]:
     """(outcome, reason) of a request that ended with `exc` (None: it ran to its end)."""
     if exc is None:
-        if ctx.served.broken:
-            return "error", "upstream_error"
+        if ctx.served.broken:  # mid-stream
+            return ("timeout" if "Timeout" in ctx.served.broken else "error"), "upstream_error"
         if ctx.status >= 400:
             return "error", f"upstream_status_{ctx.status}"
         return "served", ""

@@ -122,6 +122,40 @@ def test_a_client_gone_mid_stream_is_recorded_cancelled(gateway_factory: Any, up
     assert record.ttft_ms is not None
 
 
+def test_a_backend_that_does_not_answer_in_time_is_a_timeout(gateway_factory: Any, upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory(first_token_delay_s=2.0)
+    h = gateway_factory(upstreams=[upstream], config={"read_timeout_s": 0.3, "tokenize": False})
+    assert httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth()).status_code == 502
+    assert [(r.outcome, r.reason) for r in flushed(h)] == [("timeout", "upstream_error")]
+
+
+def test_a_preempted_stream_is_recorded_preempted(gateway_factory: Any, upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory(token_delay_s=0.05)
+    h = gateway_factory(upstreams=[upstream], pool={"slots_per_replica": 1}, entitlement={"concurrency": 1},
+                        extra_entitlements={"acme-batch": {"service_class": "preemptible", "concurrency": 1,
+                                                           "slo_target_ms": 5000}},
+                        config={"tokenize": False})
+
+    async def scenario() -> int:
+        async with httpx.AsyncClient(timeout=20) as client:
+            request = client.build_request("POST", h.url + "/v1/chat/completions",
+                                           json={**BODY, "max_tokens": 100, "stream": True},
+                                           headers=h.auth(h.secrets["acme-batch"]))
+            batch = await client.send(request, stream=True)
+            lines = batch.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            urgent = await client.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
+            _ = [line async for line in lines]
+            await batch.aclose()
+            return urgent.status_code
+
+    assert asyncio.run(scenario()) == 200
+    eventually(lambda: len(h.gateway.request_log.buffer) == 2)
+    by_entitlement = {r.entitlement: (r.outcome, r.reason) for r in flushed(h)}
+    assert by_entitlement == {"acme-batch": ("preempted", "preempted"), "acme-chat": ("served", "")}
+
+
 def test_records_pushed_to_redis_survive_their_process(redis_url: str, acme: Any) -> None:
     """With Redis, what a process pushed is drained by another (the first killed before its flush)."""
     import redis.asyncio as aioredis
