@@ -156,16 +156,22 @@ def test_a_preempted_stream_is_recorded_preempted(gateway_factory: Any, upstream
     assert by_entitlement == {"acme-batch": ("preempted", "preempted"), "acme-chat": ("served", "")}
 
 
-def test_records_pushed_to_redis_survive_their_process(redis_url: str, acme: Any) -> None:
-    """With Redis, what a process pushed is drained by another (the first killed before its flush)."""
+@pytest.mark.parametrize("kind", ["redis", pytest.param("cluster", marks=pytest.mark.redis)])
+def test_records_pushed_to_redis_survive_their_process(kind: str, acme: Any, request: pytest.FixtureRequest) -> None:
+    """With Redis (or a Redis Cluster), what a process pushed is drained by another (the first killed before
+    its flush)."""
     import redis.asyncio as aioredis
 
+    from apps.gateway import redis_cluster
+
+    url = request.getfixturevalue("redis_url") if kind == "redis" else request.getfixturevalue("redis_cluster").url
     prefix = f"trl{uuid.uuid4().hex}:"
     entry = Entry("req_survivor", time.time(), acme.pk, "tiny", "acme-chat", "guaranteed", "guaranteed", False,
                   5, None, 3, "served", "", 0.0, 12.5, 20.0)
 
     async def scenario() -> tuple[int, int, int]:
-        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        client = (aioredis.Redis.from_url(url, decode_responses=True) if kind == "redis"
+                  else redis_cluster.cluster_client(url, socket_timeout_s=2.0, max_connections=8))
         try:
             dead, survivor = RequestLog(), RequestLog()
             dead.attach(client, prefix)
@@ -176,7 +182,7 @@ def test_records_pushed_to_redis_survive_their_process(redis_url: str, acme: Any
             left = await client.llen(survivor.list_key)
             return pushed, written, left
         finally:
-            await client.aclose()
+            await redis_cluster.close(client)
 
     assert asyncio.run(scenario()) == (1, 1, 0)
     record = RequestLogRecord.objects.get()
