@@ -167,7 +167,7 @@ def measure_sites(sites: list[tuple[str, PreparedSite]], args: argparse.Namespac
             if len(targets) == 1:
                 rows += measure(*targets[0], args, workdir)
             else:
-                rows += measure_alternating(targets, args, workdir)
+                rows += measure_alternating(targets, args, workdir, rounds=args.rounds)
     return rows
 
 
@@ -303,7 +303,7 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         f"Command: `python -m bench.gateway --duration {args.duration} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --paced-rate {' '.join(f'{r:g}' for r in args.paced_rate)}"
         f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}"
-        f" --request-log {args.request_log} --stores {' '.join(args.stores)}`  ",
+        f" --request-log {args.request_log} --stores {' '.join(args.stores)} --rounds {args.rounds}`  ",
         f"Machine: {machine_description()}; proxy pinned to core 0, nginx + Redis + wrk on core 1  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -349,21 +349,21 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         if {target, "litellm", "direct"} <= set(paced_by_target):
             ratio_paced = _added_ratio(paced_by_target[target], paced_by_target["litellm"], paced_by_target["direct"])
         lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_closed} | {ratio_paced} |")
-    lines += _baseline_rows(rows)
-    lines += _request_log_rows(rows)
+    lines += _baseline_rows(rows, args.rounds)
+    lines += _request_log_rows(rows, args.rounds)
     return "\n".join(lines)
 
 
 LOG_OFF = ", log off)"
 
 
-def _request_log_rows(rows: list[Measurement]) -> list[str]:
+def _request_log_rows(rows: list[Measurement], rounds: int) -> list[str]:
     """The request log on against off, measured side by side in the same run: requests/s on / off (target:
     within 5%, >= 0.95) and the latency each adds over direct."""
     by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
     direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
     lines = ["", "Request log on against off (same run: both servers up side by side, measured in alternation, each "
-             "figure the median of 3 rounds; target: requests/s with the log on within 5% of off):", "",
+             f"figure the median of {rounds} rounds; target: requests/s with the log on within 5% of off):", "",
              "| store | load | req/s on (off) | on / off | added p50 ms on (off) | added p99 ms on (off) | within 5% |",
              "|---|---|---:|---:|---:|---:|---|"]
     found = False
@@ -385,7 +385,7 @@ def _request_log_rows(rows: list[Measurement]) -> list[str]:
     return lines if found else []
 
 
-def _baseline_rows(rows: list[Measurement]) -> list[str]:
+def _baseline_rows(rows: list[Measurement], rounds: int = 3) -> list[str]:
     """This commit against the baseline commit measured in the same run: ratios (this / baseline) of
     requests/s (higher is better) and of the latency added over direct (lower is better)."""
     baseline = {r.target.split(" @")[0]: r.target for r in rows if " @" in r.target}
@@ -394,7 +394,7 @@ def _baseline_rows(rows: list[Measurement]) -> list[str]:
     direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
     by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
     lines = ["", f"This commit against {next(iter(baseline.values())).split(' @')[1]} (same run: both commits' "
-             "servers up side by side, measured in alternation, each figure the median of 3 rounds; ratios this / "
+             f"servers up side by side, measured in alternation, each figure the median of {rounds} rounds; ratios this / "
              "baseline; requests/s higher is better, added latency lower is better):", "",
              "| store | load | req/s | req/s ratio | added p50 ms (base) | added p50 ratio | added p99 ms (base) "
              "| added p99 ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the gateway's request log (GATEWAY_REQUEST_LOG_DAYS 7 or 0); both: side by side")
     parser.add_argument("--stores", nargs="+", choices=["memory", "redis"], default=["memory", "redis"],
                         help="the gateway state stores to measure")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None or shutil.which("nginx") is None:
