@@ -78,6 +78,35 @@ class Measurement:
     non_2xx: int
     errors: int
     paced_rate: float | None = None  # offered requests/s of a paced run; None for the closed loop
+    # CPU time the server process (and its children) spent a request (user + system): what a cost on the
+    # request path shows even on a machine other jobs share, where requests/s swings with their load.
+    cpu_us_per_request: float | None = None
+
+
+# A gateway's URL -> its server's process id (CPU time read from /proc around each measurement).
+SERVER_PIDS: dict[str, int] = {}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live children (/proc; 0.0 where there is none)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def own(p: int) -> float:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+
+    total = own(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            total += own(int(stat.parent.name))
+    return total
 
 
 def _pinned(core: str, cmd: list[str]) -> list[str]:
@@ -159,9 +188,10 @@ def measure_sites(sites: list[tuple[str, PreparedSite]], args: argparse.Namespac
                     env = {"REDIS_URL": stack.enter_context(running_redis()), "GATEWAY_STATE_BACKEND": "redis"}
                 for log in logs if not suffix else [True]:  # a baseline commit: as it runs by default
                     name = f"{store}{'' if log else '-nolog'}-{site.repo.name}"
-                    url, _ = stack.enter_context(serving(
+                    url, proc = stack.enter_context(serving(
                         site, env={**env, "GATEWAY_REQUEST_LOG_DAYS": "7" if log else "0"},
                         log_name=f"gateway-{name}.log", cpu_core=SERVER_CORE))
+                    SERVER_PIDS[url] = proc.pid
                     label = f"tokenpools ({store}{'' if log else ', log off'}){suffix}"
                     targets.append((label, url, site.keys["bench"]))
             if len(targets) == 1:
@@ -257,11 +287,17 @@ def measure_one(label: str, url: str, key: str, load: tuple[int, float | None], 
                 workdir: Path) -> Measurement:
     streams, rate = load
     delay_ms = None if rate is None else PACED_STREAMS / rate * 1000
+    pid = SERVER_PIDS.get(url)
+    cpu_before = cpu_seconds(pid) if pid else 0.0
     rps, p50, p99, non2xx, errors = run_wrk(url, key, streams, args.duration, workdir, delay_ms=delay_ms)
+    cpu_us = None
+    if pid and rps:
+        cpu_us = (cpu_seconds(pid) - cpu_before) / (rps * args.duration) * 1e6
     shape = f"c={streams:<4}" if rate is None else f"paced {rate:.0f}/s c={streams}"
+    cpu = "" if cpu_us is None else f"  cpu {cpu_us:7.1f} us/req"
     print(f"  {label:<30} {shape:<18} {rps:>7.0f} req/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms"
-          f"  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
-    return Measurement(label, streams, rps, p50, p99, non2xx, errors, paced_rate=rate)
+          f"  non-2xx {non2xx}  errors {errors}{cpu}", file=sys.stderr)
+    return Measurement(label, streams, rps, p50, p99, non2xx, errors, paced_rate=rate, cpu_us_per_request=cpu_us)
 
 
 def measure(label: str, url: str, key: str, args: argparse.Namespace, workdir: Path) -> list[Measurement]:
@@ -285,10 +321,12 @@ def measure_alternating(targets: list[tuple[str, str, str]], args: argparse.Name
             for label, url, key in (targets if round_ % 2 == 0 else list(reversed(targets))):
                 taken[label].append(measure_one(label, url, key, load, args, workdir))
         for label, runs in taken.items():
+            cpu = [r.cpu_us_per_request for r in runs if r.cpu_us_per_request is not None]
             rows.append(Measurement(
                 label, load[0], statistics.median(r.requests_per_s for r in runs),
                 statistics.median(r.p50_ms for r in runs), statistics.median(r.p99_ms for r in runs),
-                sum(r.non_2xx for r in runs), sum(r.errors for r in runs), paced_rate=load[1]))
+                sum(r.non_2xx for r in runs), sum(r.errors for r in runs), paced_rate=load[1],
+                cpu_us_per_request=statistics.median(cpu) if cpu else None))
     return rows
 
 
@@ -363,9 +401,12 @@ def _request_log_rows(rows: list[Measurement], rounds: int) -> list[str]:
     by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
     direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
     lines = ["", "Request log on against off (same run: both servers up side by side, measured in alternation, each "
-             f"figure the median of {rounds} rounds; target: requests/s with the log on within 5% of off):", "",
-             "| store | load | req/s on (off) | on / off | added p50 ms on (off) | added p99 ms on (off) | within 5% |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             f"figure the median of {rounds} rounds; target: the log on within 5% of off; CPU us a request is the "
+             "server process's user + system time over the requests it answered, the figure a shared machine's "
+             "load moves least):", "",
+             "| store | load | req/s on (off) | on / off | CPU us/request on (off) | off / on | added p50 ms on (off) "
+             "| added p99 ms on (off) | within 5% (req/s, CPU) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     found = False
     for (target, concurrency, rate), off in by_key.items():
         if not target.endswith(LOG_OFF):
@@ -378,10 +419,16 @@ def _request_log_rows(rows: list[Measurement], rounds: int) -> list[str]:
         ratio = on.requests_per_s / off.requests_per_s
         load = f"{concurrency} streams" if rate is None else f"paced {rate:g}/s"
         store = target.split("(")[1].split(",")[0]
+        cpu_on, cpu_off = on.cpu_us_per_request, off.cpu_us_per_request
+        cpu_ratio = cpu_off / cpu_on if cpu_on and cpu_off else None
+        cpu = "n/a" if cpu_on is None or cpu_off is None else f"{cpu_on:.0f} ({cpu_off:.0f})"
+        verdict = f"{'yes' if ratio >= 0.95 else 'NO'}, " + (
+            "n/a" if cpu_ratio is None else "yes" if cpu_ratio >= 0.95 else "NO")
         lines.append(
-            f"| {store} | {load} | {on.requests_per_s:.0f} ({off.requests_per_s:.0f}) | {ratio:.3f} "
+            f"| {store} | {load} | {on.requests_per_s:.0f} ({off.requests_per_s:.0f}) | {ratio:.3f} | {cpu} "
+            f"| {'n/a' if cpu_ratio is None else f'{cpu_ratio:.3f}'} "
             f"| {on.p50_ms - plain.p50_ms:.2f} ({off.p50_ms - plain.p50_ms:.2f}) "
-            f"| {on.p99_ms - plain.p99_ms:.2f} ({off.p99_ms - plain.p99_ms:.2f}) | {'yes' if ratio >= 0.95 else 'NO'} |")
+            f"| {on.p99_ms - plain.p99_ms:.2f} ({off.p99_ms - plain.p99_ms:.2f}) | {verdict} |")
     return lines if found else []
 
 
