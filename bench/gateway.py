@@ -2,7 +2,7 @@
 through LiteLLM's proxy, measured with wrk in one run.
 
     python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
-                            [--write-results]
+                            [--request-log on|off|both] [--stores memory redis] [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
@@ -16,6 +16,10 @@ Two kinds of measurement per target:
   (each connection waits an exponential time of mean 32/rate s before its next request). Below a target's capacity this gives the latency the proxy adds to
   each request while 32 streams are open and the process is not saturated; the lowest default rate (50/s)
   is below LiteLLM's capacity too, so the two are compared there.
+
+The request log (issue 26) costs what it costs on the request path: with `--request-log both` (the default)
+every store runs two servers of the same site side by side, the log on (`GATEWAY_REQUEST_LOG_DAYS=7`) and off
+(`=0`, label `, log off`), measured in alternation (`measure_alternating`); the report adds their ratios.
 """
 
 from __future__ import annotations
@@ -74,6 +78,35 @@ class Measurement:
     non_2xx: int
     errors: int
     paced_rate: float | None = None  # offered requests/s of a paced run; None for the closed loop
+    # CPU time the server process (and its children) spent a request (user + system): what a cost on the
+    # request path shows even on a machine other jobs share, where requests/s swings with their load.
+    cpu_us_per_request: float | None = None
+
+
+# A gateway's URL -> its server's process id (CPU time read from /proc around each measurement).
+SERVER_PIDS: dict[str, int] = {}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live children (/proc; 0.0 where there is none)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def own(p: int) -> float:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+
+    total = own(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            total += own(int(stat.parent.name))
+    return total
 
 
 def _pinned(core: str, cmd: list[str]) -> list[str]:
@@ -145,20 +178,26 @@ def measure_sites(sites: list[tuple[str, PreparedSite]], args: argparse.Namespac
     """Each site with the in-process store, then with Redis; with several sites (this commit and a baseline)
     their servers run side by side and are measured in alternation (`measure_alternating`)."""
     rows: list[Measurement] = []
-    for store in ("memory", "redis"):
+    logs = {"on": [True], "off": [False], "both": [True, False]}[args.request_log]
+    for store in args.stores:
         with contextlib.ExitStack() as stack:
             targets = []
             for suffix, site in sites:
-                env = None
+                env: dict[str, str] = {}
                 if store == "redis":
                     env = {"REDIS_URL": stack.enter_context(running_redis()), "GATEWAY_STATE_BACKEND": "redis"}
-                url, _ = stack.enter_context(serving(site, env=env, log_name=f"gateway-{store}-{site.repo.name}.log",
-                                                     cpu_core=SERVER_CORE))
-                targets.append((f"tokenpools ({store}){suffix}", url, site.keys["bench"]))
+                for log in logs if not suffix else [True]:  # a baseline commit: as it runs by default
+                    name = f"{store}{'' if log else '-nolog'}-{site.repo.name}"
+                    url, proc = stack.enter_context(serving(
+                        site, env={**env, "GATEWAY_REQUEST_LOG_DAYS": "7" if log else "0"},
+                        log_name=f"gateway-{name}.log", cpu_core=SERVER_CORE))
+                    SERVER_PIDS[url] = proc.pid
+                    label = f"tokenpools ({store}{'' if log else ', log off'}){suffix}"
+                    targets.append((label, url, site.keys["bench"]))
             if len(targets) == 1:
                 rows += measure(*targets[0], args, workdir)
             else:
-                rows += measure_alternating(targets, args, workdir)
+                rows += measure_alternating(targets, args, workdir, rounds=args.rounds)
     return rows
 
 
@@ -248,11 +287,17 @@ def measure_one(label: str, url: str, key: str, load: tuple[int, float | None], 
                 workdir: Path) -> Measurement:
     streams, rate = load
     delay_ms = None if rate is None else PACED_STREAMS / rate * 1000
+    pid = SERVER_PIDS.get(url)
+    cpu_before = cpu_seconds(pid) if pid else 0.0
     rps, p50, p99, non2xx, errors = run_wrk(url, key, streams, args.duration, workdir, delay_ms=delay_ms)
+    cpu_us = None
+    if pid and rps:
+        cpu_us = (cpu_seconds(pid) - cpu_before) / (rps * args.duration) * 1e6
     shape = f"c={streams:<4}" if rate is None else f"paced {rate:.0f}/s c={streams}"
+    cpu = "" if cpu_us is None else f"  cpu {cpu_us:7.1f} us/req"
     print(f"  {label:<30} {shape:<18} {rps:>7.0f} req/s  p50 {p50:7.2f} ms  p99 {p99:7.2f} ms"
-          f"  non-2xx {non2xx}  errors {errors}", file=sys.stderr)
-    return Measurement(label, streams, rps, p50, p99, non2xx, errors, paced_rate=rate)
+          f"  non-2xx {non2xx}  errors {errors}{cpu}", file=sys.stderr)
+    return Measurement(label, streams, rps, p50, p99, non2xx, errors, paced_rate=rate, cpu_us_per_request=cpu_us)
 
 
 def measure(label: str, url: str, key: str, args: argparse.Namespace, workdir: Path) -> list[Measurement]:
@@ -276,10 +321,12 @@ def measure_alternating(targets: list[tuple[str, str, str]], args: argparse.Name
             for label, url, key in (targets if round_ % 2 == 0 else list(reversed(targets))):
                 taken[label].append(measure_one(label, url, key, load, args, workdir))
         for label, runs in taken.items():
+            cpu = [r.cpu_us_per_request for r in runs if r.cpu_us_per_request is not None]
             rows.append(Measurement(
                 label, load[0], statistics.median(r.requests_per_s for r in runs),
                 statistics.median(r.p50_ms for r in runs), statistics.median(r.p99_ms for r in runs),
-                sum(r.non_2xx for r in runs), sum(r.errors for r in runs), paced_rate=load[1]))
+                sum(r.non_2xx for r in runs), sum(r.errors for r in runs), paced_rate=load[1],
+                cpu_us_per_request=statistics.median(cpu) if cpu else None))
     return rows
 
 
@@ -293,7 +340,8 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
     lines = [
         f"Command: `python -m bench.gateway --duration {args.duration} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --paced-rate {' '.join(f'{r:g}' for r in args.paced_rate)}"
-        f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}`  ",
+        f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}"
+        f" --request-log {args.request_log} --stores {' '.join(args.stores)} --rounds {args.rounds}`  ",
         f"Machine: {machine_description()}; proxy pinned to core 0, nginx + Redis + wrk on core 1  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -339,11 +387,52 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         if {target, "litellm", "direct"} <= set(paced_by_target):
             ratio_paced = _added_ratio(paced_by_target[target], paced_by_target["litellm"], paced_by_target["direct"])
         lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_closed} | {ratio_paced} |")
-    lines += _baseline_rows(rows)
+    lines += _baseline_rows(rows, args.rounds)
+    lines += _request_log_rows(rows, args.rounds)
     return "\n".join(lines)
 
 
-def _baseline_rows(rows: list[Measurement]) -> list[str]:
+LOG_OFF = ", log off)"
+
+
+def _request_log_rows(rows: list[Measurement], rounds: int) -> list[str]:
+    """The request log on against off, measured side by side in the same run: requests/s on / off (target:
+    within 5%, >= 0.95) and the latency each adds over direct."""
+    by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
+    direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
+    lines = ["", "Request log on against off (same run: both servers up side by side, measured in alternation, each "
+             f"figure the median of {rounds} rounds; target: the log on within 5% of off; CPU us a request is the "
+             "server process's user + system time over the requests it answered, the figure a shared machine's "
+             "load moves least):", "",
+             "| store | load | req/s on (off) | on / off | CPU us/request on (off) | off / on | added p50 ms on (off) "
+             "| added p99 ms on (off) | within 5% (req/s, CPU) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    found = False
+    for (target, concurrency, rate), off in by_key.items():
+        if not target.endswith(LOG_OFF):
+            continue
+        on = by_key.get((target[: -len(LOG_OFF)] + ")", concurrency, rate))
+        plain = direct.get((concurrency, rate))
+        if on is None or plain is None or not off.requests_per_s:
+            continue
+        found = True
+        ratio = on.requests_per_s / off.requests_per_s
+        load = f"{concurrency} streams" if rate is None else f"paced {rate:g}/s"
+        store = target.split("(")[1].split(",")[0]
+        cpu_on, cpu_off = on.cpu_us_per_request, off.cpu_us_per_request
+        cpu_ratio = cpu_off / cpu_on if cpu_on and cpu_off else None
+        cpu = "n/a" if cpu_on is None or cpu_off is None else f"{cpu_on:.0f} ({cpu_off:.0f})"
+        verdict = f"{'yes' if ratio >= 0.95 else 'NO'}, " + (
+            "n/a" if cpu_ratio is None else "yes" if cpu_ratio >= 0.95 else "NO")
+        lines.append(
+            f"| {store} | {load} | {on.requests_per_s:.0f} ({off.requests_per_s:.0f}) | {ratio:.3f} | {cpu} "
+            f"| {'n/a' if cpu_ratio is None else f'{cpu_ratio:.3f}'} "
+            f"| {on.p50_ms - plain.p50_ms:.2f} ({off.p50_ms - plain.p50_ms:.2f}) "
+            f"| {on.p99_ms - plain.p99_ms:.2f} ({off.p99_ms - plain.p99_ms:.2f}) | {verdict} |")
+    return lines if found else []
+
+
+def _baseline_rows(rows: list[Measurement], rounds: int = 3) -> list[str]:
     """This commit against the baseline commit measured in the same run: ratios (this / baseline) of
     requests/s (higher is better) and of the latency added over direct (lower is better)."""
     baseline = {r.target.split(" @")[0]: r.target for r in rows if " @" in r.target}
@@ -352,7 +441,7 @@ def _baseline_rows(rows: list[Measurement]) -> list[str]:
     direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
     by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
     lines = ["", f"This commit against {next(iter(baseline.values())).split(' @')[1]} (same run: both commits' "
-             "servers up side by side, measured in alternation, each figure the median of 3 rounds; ratios this / "
+             f"servers up side by side, measured in alternation, each figure the median of {rounds} rounds; ratios this / "
              "baseline; requests/s higher is better, added latency lower is better):", "",
              "| store | load | req/s | req/s ratio | added p50 ms (base) | added p50 ratio | added p99 ms (base) "
              "| added p99 ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -404,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (when var/litellm-venv is missing)")
     parser.add_argument("--baseline", metavar="REF",
                         help="also measure the gateway of this commit (e.g. HEAD~1), side by side in the same run")
+    parser.add_argument("--request-log", choices=["on", "off", "both"], default="both",
+                        help="the gateway's request log (GATEWAY_REQUEST_LOG_DAYS 7 or 0); both: side by side")
+    parser.add_argument("--stores", nargs="+", choices=["memory", "redis"], default=["memory", "redis"],
+                        help="the gateway state stores to measure")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None or shutil.which("nginx") is None:

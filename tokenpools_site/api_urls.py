@@ -1,5 +1,5 @@
-"""REST API routes under /api/v1/ (tenants, users, memberships, pools, entitlements, keys, usage, audit, apply,
-export)."""
+"""REST API routes under /api/v1/ (tenants, users, memberships, pools, entitlements, keys, usage, requests,
+audit, apply, diff, export)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from django.urls import path
 from rest_framework.routers import DefaultRouter
 
 from apps.audit.api import AuditEntryViewSet
-from apps.gateway.api import UsageRecordViewSet
+from apps.gateway.api import RequestLogViewSet, UsageRecordViewSet
 from apps.operations.api import ApiKeyViewSet, EntitlementViewSet, TenantViewSet
 from apps.pools.api import ApplyView, DiffView, ExportView, PoolViewSet
 from apps.tenancy.api import MembershipViewSet, UserViewSet
@@ -22,7 +22,8 @@ router.register("pools", PoolViewSet, basename="pool")
 router.register("entitlements", EntitlementViewSet, basename="entitlement")
 router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("usage", UsageRecordViewSet, basename="usage")
-router.register("audit", AuditEntryViewSet, basename="audit")
+from apps.audit.api import AuditEntryViewSet
+from apps.gateway.api import RequestLogViewSet, UsageRecordViewSet
 
 urlpatterns = [
     path("apply", ApplyView.as_view(), name="apply"),

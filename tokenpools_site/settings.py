@@ -147,6 +147,9 @@ GATEWAY_BUDGET_MIN_FRACTION = env_float("GATEWAY_BUDGET_MIN_FRACTION", 0.25, at_
 GATEWAY_ACQUIRE_TIMEOUT_S = env_float("GATEWAY_ACQUIRE_TIMEOUT_S", 1.0, at_least=0)
 GATEWAY_HEALTH_INTERVAL_S = env_float("GATEWAY_HEALTH_INTERVAL_S", 2.0, above=0)
 GATEWAY_USAGE_FLUSH_S = env_float("GATEWAY_USAGE_FLUSH_S", 2.0, above=0)
+# The request log (apps/gateway/request_log.py): every request the gateway decides, kept this many days
+# (deleted by the request_log_retention tick); 0 records nothing.
+GATEWAY_REQUEST_LOG_DAYS = env_int("GATEWAY_REQUEST_LOG_DAYS", 7, at_least=0)
 GATEWAY_SATURATION_ADMISSION = env_bool("GATEWAY_SATURATION_ADMISSION", True)
 GATEWAY_DRAIN_TIMEOUT_S = env_float("GATEWAY_DRAIN_TIMEOUT_S", 30.0, at_least=0)
 GATEWAY_LEASE_S = env_float("GATEWAY_LEASE_S", 10.0, above=0)

@@ -47,3 +47,11 @@ def tick_usage_rollup() -> int:
     from workers.rollups import usage_rollup
 
     return usage_rollup()
+
+
+def tick_request_log() -> int:
+    from django.conf import settings
+
+    from apps.gateway.request_log import request_log_prune
+
+    return request_log_prune(days=settings.GATEWAY_REQUEST_LOG_DAYS)

@@ -2,7 +2,8 @@
 
 A `/v1/chat/completions` (or `/v1/completions`) request, top to bottom in `Gateway._completion` and
 `Gateway._serve`; each step is one call from here into its own module: these six files are all one reads to
-follow a request to the backend, eight to the end of its answer (tests/gateway/test_request_path.py traces it):
+follow a request to the backend, nine to the end of its answer and its record in the request log
+(tests/gateway/test_request_path.py traces it):
 
     authenticate   auth.py        the bearer key to its entitlement (cached snapshot, no database), and the
                                   model asked for to the key's pool
@@ -16,7 +17,9 @@ follow a request to the backend, eight to the end of its answer (tests/gateway/t
     relay          relay.py       the answer to the client, chunk by chunk, learning usage and TTFT; its end
                                   held back until the account step has run, then delivered
     account        account.py     the hold given back (unused tokens and quota refunded), usage and metrics
-                                  recorded: once per admitted request, from the `finally` in `_serve`
+                                  recorded: once per admitted request, from the `finally` in `_decide`
+    record         request_log.py every request decided (admitted or not) as one record of the request log,
+                                  written to the database in the background
 
 No Django request objects, middleware or ORM on this path: Django only loads snapshots and flushes usage,
 in threads. What the process runs besides requests (snapshot refresh, health probes, lease renewal, the
@@ -58,6 +61,7 @@ from apps.gateway.parse import (
     read_body,
 )
 from apps.gateway.relay import deliver, relay, send_preempted
+from apps.gateway.request_log import RequestLog, entry_of
 from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
@@ -86,6 +90,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.tokens = TokenCounter(enabled=self.config.tokenize)
         self.usage = UsageAccumulator()
+        # Every request decided, written off the path (GATEWAY_REQUEST_LOG_DAYS=0: none, and no cost).
+        self.request_log = RequestLog() if self.config.request_log_days > 0 else None
         self.in_flight = InFlight()
         # Each pool's dispatch budget controller (AIMD); the budget itself is a check of the state machine.
         self.budgets: dict[str, PoolBudget] = {}
@@ -126,6 +132,10 @@ class Gateway:
             if self.store is None:
                 self.store = self._make_store()
             self.store.on_evict = self.in_flight.evict
+            redis = getattr(self.store, "redis", None)
+            if self.request_log is not None and redis is not None:
+                # A shared store: the records go through its Redis (crash-safe as usage; request_log.py).
+                self.request_log.attach(redis, getattr(self.store, "prefix", ""))
             if self.snapshots.current is None:
                 await self.snapshots.refresh(force=True)
             self.accountant = Accountant(store=self.store, metrics=self.metrics, usage=self.usage,
@@ -316,6 +326,20 @@ class Gateway:
         replicas = self.replica_set(pool)
         input_tokens = await self.tokens.count(client=self.client, pool=pool.name, model=pool.model_name,
                                                replicas=replicas, kind=parsed.kind, payload=parsed.payload)
+        log = self.request_log
+        if log is None:
+            await self._decide(ctx, entry, parsed, pool, replicas, input_tokens)
+            return
+        # From here the gateway decides the request: however it ends, it leaves one record (request_log.py).
+        try:
+            await self._decide(ctx, entry, parsed, pool, replicas, input_tokens)
+        except BaseException as exc:
+            log.record(entry_of(ctx, entry, pool, parsed, input_tokens, exc))
+            raise
+        log.record(entry_of(ctx, entry, pool, parsed, input_tokens, None))
+
+    async def _decide(self, ctx: RequestContext, entry: KeyEntry, parsed: ParsedRequest, pool: PoolInfo,
+                      replicas: ReplicaSet, input_tokens: int) -> None:
         admission = await self.admitter.admit(
             ctx, entry, pool, replicas, input_tokens=input_tokens,
             max_tokens=parsed.max_tokens, max_model_len=self.tokens.max_model_len.get(pool.name),

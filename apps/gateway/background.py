@@ -8,6 +8,7 @@ Loops (each logged and tried again next period when it fails):
 - the AIMD tick of the pools' dispatch budgets (this process's, or the pool's shared one);
 - with a shared store, this process's TTFT counts flushed to the pool's window once a second;
 - usage records flushed to the database, and releases the store could not take retried;
+- the request log's records to the database (with a shared store, to its Redis list every second first);
 - always: other processes' starts, expiries and evictions delivered to this process (shared stores).
 
 The ticks of the control plane that need this gateway's in-process store (the debt/burst EWMA) reach it through
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from apps.gateway.budget import PoolBudget, aimd_tick_all
 from apps.gateway.control import ControlState, aimd_tick_shared
+from apps.gateway.request_log import PUSH_S as REQUEST_LOG_PUSH_S
 from apps.gateway.routing import probe_replicas
 from apps.gateway.state import StateStoreUnavailable
 from apps.gateway.ticks import (
@@ -91,6 +93,11 @@ class BackgroundLoops:
         self._every(config.aimd_tick_s, self.aimd_tick, "gw-aimd")
         self._every(config.health_interval_s, self.health_check, "gw-health")
         self._every(config.usage_flush_s, self.usage_flush, "gw-usage")
+        log = gateway.request_log
+        if log is not None:
+            self._every(config.usage_flush_s, self.request_log_flush, "gw-request-log")
+            if log.redis is not None:  # to the shared list every second: what a SIGKILL can lose
+                self._every(REQUEST_LOG_PUSH_S, log.push, "gw-request-log-push")
         if gateway.store.shares_budget:
             self._every(TTFT_FLUSH_S, self.ttft_flush, "gw-ttft")
 
@@ -139,6 +146,8 @@ class BackgroundLoops:
                 await gateway.accountant.retry_pending()
         with contextlib.suppress(Exception):
             await self.usage_flush()
+        with contextlib.suppress(Exception):
+            await self.request_log_flush()
 
     async def finish_requests(self, grace_s: float) -> None:
         """Let requests still in flight end (their account step releases and records them); after `grace_s`
@@ -239,6 +248,11 @@ class BackgroundLoops:
                 await store.usage_done(pool=pool, token=token)
                 written += 1
         return written
+
+    async def request_log_flush(self) -> int:
+        """The request log's records to the database (with Redis: through its shared list); rows written."""
+        log = self.gateway.request_log
+        return 0 if log is None else await log.flush()
 
     async def store_view(self) -> None:
         """What the store holds, every process together (`gateway_store_in_flight`): unlike this process's own

@@ -35,6 +35,7 @@ SETTING_NAMES: dict[str, str] = {
     "acquire_timeout_s": "GATEWAY_ACQUIRE_TIMEOUT_S",
     "health_interval_s": "GATEWAY_HEALTH_INTERVAL_S",
     "usage_flush_s": "GATEWAY_USAGE_FLUSH_S",
+    "request_log_days": "GATEWAY_REQUEST_LOG_DAYS",
     "saturation_admission": "GATEWAY_SATURATION_ADMISSION",
     "drain_timeout_s": "GATEWAY_DRAIN_TIMEOUT_S",
     "lease_s": "GATEWAY_LEASE_S",
@@ -72,6 +73,8 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     usage_flush_s: float = 2.0
+    # Days the request log keeps (apps/gateway/request_log.py); 0: nothing is recorded.
+    request_log_days: int = 7
     # Feed the replicas' scraped vLLM saturation into admission check 5 (seed 004's detector).
     saturation_admission: bool = True
     # How long `serve` lets in-flight requests finish on SIGTERM before cancelling the rest.

@@ -35,6 +35,9 @@ class Served:
     completion_tokens: int | None = None
     chunks: int = 0
     first_chunk_at: float | None = None
+    # How the backend broke off mid-stream (httpx's exception name; the client got an error event), for the
+    # request log: "" when it did not.
+    broken: str = ""
 
     def counts(self, input_tokens: int) -> tuple[int, int]:
         """(prompt, completion) tokens to account: the backend's usage when it gave one; else the prompt as
@@ -71,6 +74,8 @@ class RequestContext:
     proxied: bool = False
     # The response has begun (a streamed one: its headers went out).
     response_started: bool = False
+    # The status the response began with (0 until then): the request log tells a backend's error answer.
+    status: int = 0
     # The request's hold is given back and the end of the answer about to go: a disconnect now is the normal
     # end of the exchange.
     finished: bool = False
@@ -103,6 +108,7 @@ class RequestContext:
 
     async def respond(self, status: int, body: bytes, extra: Headers) -> None:
         self.response_started = True
+        self.status = status
         await self.send({"type": "http.response.start", "status": status, "headers": self.headers(extra)})
         await self.send({"type": "http.response.body", "body": body})
 

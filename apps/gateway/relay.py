@@ -87,6 +87,7 @@ async def _relay_stream(ctx: RequestContext, response: httpx.Response, parsed: P
                         observe_ttft: Callable[[float], None]) -> Ending:
     ctx.upstream_answered = time.perf_counter()
     ctx.response_started = True
+    ctx.status = 200
     await ctx.send({"type": "http.response.start", "status": 200, "headers": ctx.headers(
         [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")])})
     served = ctx.served
@@ -101,6 +102,7 @@ async def _relay_stream(ctx: RequestContext, response: httpx.Response, parsed: P
         except httpx.HTTPError as exc:
             # The backend broke off mid-stream: end the client's stream with an error event.
             logger.warning("backend stream of %s failed: %s", ctx.request_id, type(exc).__name__)
+            served.broken = type(exc).__name__
             body = b"data: " + error_body("The backend stream failed.", "server_error", "upstream_error")
             return Ending(body + b"\n\ndata: [DONE]\n\n")
         pending += chunk

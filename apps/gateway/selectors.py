@@ -60,6 +60,14 @@ def usage_record_list(*, user: Any) -> Any:
     return UsageRecord.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant")
 
 
+def request_log_list(*, user: Any) -> Any:
+    """Request log records of the tenants the user may see (all for superusers), oldest first."""
+    from apps.gateway.models import RequestLogRecord
+    from apps.tenancy.selectors import tenant_list
+
+    return RequestLogRecord.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant")
+
+
 def usage_spend_summary(*, user: Any, period: str, filters: Any = None) -> list[dict[str, Any]]:
     """Usage per tenant, entitlement, served tier (`service_tier`: the class that served the tokens, the
     entitlement's own or the lower one they spilled over or were demoted to) and UTC day or month, with its

@@ -15,7 +15,16 @@ from apps.tenancy.models import Tenant
 from apps.tenancy.services import apikey_create
 from tests.gateway.servers import ServerThread
 from tests.gateway.upstream import Upstream
-from tests.pools.factories import acme, admin, globex, make_entitlement, make_pool  # noqa: F401
+from tests.pools.factories import (  # noqa: F401
+    acme,
+    admin,
+    globex,
+    make_entitlement,
+    make_pool,
+    member,
+    outsider,
+    owner,
+)
 
 
 @dataclass

@@ -30,8 +30,9 @@ ENTRY = "apps/gateway/app.py"
 # The pipeline's steps before the backend, in the order the entry calls them.
 STEPS = ["apps/gateway/auth.py", "apps/gateway/parse.py", "apps/gateway/tokens.py", "apps/gateway/admission.py",
          "apps/gateway/upstream.py"]
-# And after it: the answer relayed, then the hold given back and the usage recorded, once, by the entry.
-STEPS_AFTER = ["apps/gateway/relay.py", "apps/gateway/account.py"]
+# And after it: the answer relayed, then the hold given back and the usage recorded, once, by the entry; then
+# the request's record of the request log (issue 26).
+STEPS_AFTER = ["apps/gateway/relay.py", "apps/gateway/account.py", "apps/gateway/request_log.py"]
 # Every project file the request's code runs in before it leaves, as measured when this test was written
 # (2026-11-26: 22; 23 once the entitlement's queue joined the state machine, apps/policy/queues.py). More is a
 # regression to look at; fewer, lower it.
@@ -162,7 +163,7 @@ def test_a_completion_reads_as_the_pipeline_of_steps_and_its_path_does_not_grow(
           f"{[ENTRY, *trace.all_from_entry]}")
     print(f"project files to the end of the stream ({len(trace.all_files)}): {trace.all_files}")
     # The entry calls into the steps, in order, and into nothing else: six files to read to the backend,
-    # eight to the end of the stream.
+    # nine to the end of the stream.
     assert trace.from_entry == STEPS, trace.from_entry
     assert len([ENTRY, *trace.from_entry]) <= 6
     assert trace.all_from_entry == STEPS + STEPS_AFTER, trace.all_from_entry

@@ -12,7 +12,7 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from apps.gateway.models import UsageRecord
+from apps.gateway.models import RequestLogRecord, UsageRecord
 from apps.tenancy.apiutils import ApiPagination
 from apps.tenancy.models import Membership
 from apps.tenancy.services import apikey_create
@@ -31,6 +31,7 @@ LISTS = [
     "/api/v1/keys/",
     "/api/v1/usage/",
     "/api/v1/audit/",
+    "/api/v1/requests/",
 ]
 
 BAD_LIMITS = ["abc", "-1", "0", "1.5", " 7", "+7", "7_0", "\u0663", "", "501", "9223372036854775808",
@@ -44,6 +45,8 @@ def root(admin: Any, owner: Any, acme: Any, pool: Any) -> APIClient:
     apikey_create(actor=owner, entitlement=ent)
     UsageRecord.objects.create(tenant=acme, entitlement="acme-g", minute=timezone.now().replace(second=0),
                                requests=1)
+    RequestLogRecord.objects.create(request_id="req_1", arrived_at=timezone.now(), tenant=acme, pool=pool.name,
+                                    entitlement="acme-g", service_class="guaranteed", outcome="served")
     return client_as(admin)
 
 
