@@ -10,7 +10,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-apply bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: image-deps image-base image test-image exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-apply bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,27 @@ $(GUIDELLM_VENV)/.installed-stamp:
 	touch $@
 
 guidellm-venv: $(GUIDELLM_VENV)/.installed-stamp
+
+# The container image (deploy/Containerfile) with podman. Where no image registry can be reached, its base is
+# made from Debian's packages with debootstrap (cached: `podman rmi $(IMAGE_BASE)` to rebuild it); elsewhere
+# `make image IMAGE_BASE=docker.io/library/python:3.11-slim`.
+IMAGE      ?= localhost/tokenpools:latest
+IMAGE_BASE ?= localhost/tokenpools-base:bookworm
+
+image-deps:
+	bash .ci/image-deps.sh
+
+image-base: image-deps
+	$(if $(filter localhost/tokenpools-base:%,$(IMAGE_BASE)),bash deploy/image-base.sh $(IMAGE_BASE),@true)
+
+# --format docker: OCI images have no HEALTHCHECK. --network host: RUN steps reach PyPI without a bridge.
+image: image-base
+	podman build -f deploy/Containerfile --format docker --network host --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) .
+
+# The image run with podman against a real PostgreSQL and Redis on the host (tests/deploy/test_image.py);
+# apart from `make test`, which deselects the `image` marker.
+test-image: venv system-deps image
+	TOKENPOOLS_IMAGE=$(IMAGE) $(PYTEST) -q -s -m image tests/deploy/test_image.py -p no:cacheprovider
 
 system-deps:
 	bash .ci/system-deps.sh
