@@ -52,8 +52,11 @@ guidellm-venv: $(GUIDELLM_VENV)/.installed-stamp
 # The container image (deploy/Containerfile) with podman. Where no image registry can be reached, its base is
 # made from Debian's packages with debootstrap (cached: `podman rmi $(IMAGE_BASE)` to rebuild it); elsewhere
 # `make image IMAGE_BASE=docker.io/library/python:3.11-slim`.
+comma      := ,
 IMAGE      ?= localhost/tokenpools:latest
 IMAGE_BASE ?= localhost/tokenpools-base:bookworm
+# A CA bundle pip inside the build trusts (a TLS-inspecting proxy's); a build secret, not kept in the image.
+PIP_CA     ?= $(PIP_CERT)
 
 image-deps:
 	bash .ci/image-deps.sh
@@ -63,7 +66,8 @@ image-base: image-deps
 
 # --format docker: OCI images have no HEALTHCHECK. --network host: RUN steps reach PyPI without a bridge.
 image: image-base
-	podman build -f deploy/Containerfile --format docker --network host --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) .
+	podman build -f deploy/Containerfile --format docker --network host \
+		$(if $(PIP_CA),--secret id=pip-ca$(comma)src=$(PIP_CA)) --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) .
 
 # The image run with podman against a real PostgreSQL and Redis on the host (tests/deploy/test_image.py);
 # apart from `make test`, which deselects the `image` marker.
