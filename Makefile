@@ -55,8 +55,10 @@ guidellm-venv: $(GUIDELLM_VENV)/.installed-stamp
 comma      := ,
 IMAGE      ?= localhost/tokenpools:latest
 IMAGE_BASE ?= localhost/tokenpools-base:bookworm
-# A CA bundle pip inside the build trusts (a TLS-inspecting proxy's); a build secret, not kept in the image.
-PIP_CA     ?= $(PIP_CERT)
+# The CA bundle pip trusts inside the build (the host's, which holds a TLS-inspecting proxy's CA where there is
+# one): a build secret, not kept in the image. Empty: the base image's own certificates.
+PIP_CA     ?= $(or $(PIP_CERT),$(wildcard /etc/ssl/certs/ca-certificates.crt))
+PODMAN_RUNTIME ?= runc
 
 image-deps:
 	bash .ci/image-deps.sh
@@ -64,9 +66,11 @@ image-deps:
 image-base: image-deps
 	$(if $(filter localhost/tokenpools-base:%,$(IMAGE_BASE)),bash deploy/image-base.sh $(IMAGE_BASE),@true)
 
-# --format docker: OCI images have no HEALTHCHECK. --network host: RUN steps reach PyPI without a bridge.
+# --format docker: OCI images have no HEALTHCHECK. --network host: RUN steps reach PyPI through the host's own
+# network (podman's default netavark bridge works here too; host needs no firewall rules). Storage: the default
+# overlay driver, runtime: runc (crun refuses this machine's cgroups v1/v2 hybrid).
 image: image-base
-	podman build -f deploy/Containerfile --format docker --network host \
+	podman build --runtime $(PODMAN_RUNTIME) -f deploy/Containerfile --format docker --network host \
 		$(if $(PIP_CA),--secret id=pip-ca$(comma)src=$(PIP_CA)) --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) .
 
 # The image run with podman against a real PostgreSQL and Redis on the host (tests/deploy/test_image.py);
