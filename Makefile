@@ -11,7 +11,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: run-venv exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-apply bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: run-venv image-deps image-base image test-image exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-apply bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,35 @@ $(GUIDELLM_VENV)/.installed-stamp:
 	touch $@
 
 guidellm-venv: $(GUIDELLM_VENV)/.installed-stamp
+
+# The container image (deploy/Containerfile) with podman. Where no image registry can be reached, its base is
+# made from Debian's packages with debootstrap (cached: `podman rmi $(IMAGE_BASE)` to rebuild it); elsewhere
+# `make image IMAGE_BASE=docker.io/library/python:3.11-slim`.
+comma      := ,
+IMAGE      ?= localhost/tokenpools:latest
+IMAGE_BASE ?= localhost/tokenpools-base:bookworm
+# The CA bundle pip trusts inside the build (the host's, which holds a TLS-inspecting proxy's CA where there is
+# one): a build secret, not kept in the image. Empty: the base image's own certificates.
+PIP_CA     ?= $(or $(PIP_CERT),$(wildcard /etc/ssl/certs/ca-certificates.crt))
+PODMAN_RUNTIME ?= runc
+
+image-deps:
+	bash .ci/image-deps.sh
+
+image-base: image-deps
+	$(if $(filter localhost/tokenpools-base:%,$(IMAGE_BASE)),bash deploy/image-base.sh $(IMAGE_BASE),@true)
+
+# --format docker: OCI images have no HEALTHCHECK. --network host: RUN steps reach PyPI through the host's own
+# network (podman's default netavark bridge works here too; host needs no firewall rules). Storage: the default
+# overlay driver, runtime: runc (crun refuses this machine's cgroups v1/v2 hybrid).
+image: image-base
+	podman build --runtime $(PODMAN_RUNTIME) -f deploy/Containerfile --format docker --network host \
+		$(if $(PIP_CA),--secret id=pip-ca$(comma)src=$(PIP_CA)) --build-arg BASE=$(IMAGE_BASE) -t $(IMAGE) .
+
+# The image run with podman against a real PostgreSQL and Redis on the host (tests/deploy/test_image.py);
+# apart from `make test`, which deselects the `image` marker.
+test-image: venv system-deps image
+	TOKENPOOLS_IMAGE=$(IMAGE) $(PYTEST) -q -s -m image tests/deploy/test_image.py -p no:cacheprovider
 
 system-deps:
 	bash .ci/system-deps.sh
