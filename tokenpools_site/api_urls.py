@@ -22,8 +22,8 @@ router.register("pools", PoolViewSet, basename="pool")
 router.register("entitlements", EntitlementViewSet, basename="entitlement")
 router.register("keys", ApiKeyViewSet, basename="apikey")
 router.register("usage", UsageRecordViewSet, basename="usage")
-from apps.audit.api import AuditEntryViewSet
-from apps.gateway.api import RequestLogViewSet, UsageRecordViewSet
+router.register("requests", RequestLogViewSet, basename="request")
+router.register("audit", AuditEntryViewSet, basename="audit")
 
 urlpatterns = [
     path("apply", ApplyView.as_view(), name="apply"),
