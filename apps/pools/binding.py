@@ -1,0 +1,163 @@
+"""A locked pool's entitlements in memory, bound as a sequence of writes would bind them, written once.
+
+Each write to a pool (an entitlement created, changed, moved or deleted; the pool's capacity changed)
+re-evaluates every entitlement of the pool (``apps.pools.services``: oldest first, each Bound when its
+baseline fits the room the older ones left). ``PoolBinding`` keeps that outcome exact while doing the work
+once: it loads the entitlements once, re-walks only from the first entitlement the write can change (an
+evaluation is idempotent, so those before it keep their state: a new entitlement, the newest, is one step),
+keeps each state change as the history row the write would have written, and at the end writes the rows
+that changed in one ``bulk_update`` and the history in one ``bulk_create``. Every reason carries the last
+write's trigger, as after that write's full evaluation. Each changed entitlement still sends ``post_save``
+(``update_fields`` = the state fields), as its own ``save()`` did, so the gateway's snapshot reloads.
+"""
+
+from __future__ import annotations
+
+import bisect
+from datetime import datetime
+from typing import Any
+
+from django.db.models.signals import post_save
+
+from apps.pools.models import (
+    GIB,
+    Capacity,
+    EntitlementState,
+    EntitlementStateChange,
+    TokenEntitlement,
+    TokenPool,
+)
+
+STATE_FIELDS = ["state", "state_reason", "state_changed_at"]
+
+
+def _shortfall(need: Capacity, room: Capacity) -> str:
+    parts = []
+    if need.slots > room.slots:
+        parts.append(f"concurrency {need.slots} > {max(room.slots, 0)} free slots")
+    if need.tokens_per_second > room.tokens_per_second:
+        parts.append(f"tokens/s {need.tokens_per_second} > {max(room.tokens_per_second, 0)} free")
+    if need.kv_bytes > room.kv_bytes:
+        parts.append(f"KV cache {need.kv_bytes / GIB:g} GiB > {max(room.kv_bytes, 0) / GIB:g} GiB free")
+    return "; ".join(parts)
+
+
+def _stays_bound_oversubscribed(ent: TokenEntitlement, capacity: Capacity) -> bool:
+    """A Bound elastic entitlement keeps its binding through a capacity drop (not through losing it all)."""
+    return ent.service_class == "elastic" and ent.state == EntitlementState.BOUND and capacity.slots > 0
+
+
+def evaluate_one(ent: TokenEntitlement, room: Capacity, capacity: Capacity, pool_name: str,
+                 now: datetime) -> tuple[str, str, Capacity]:
+    """(target state, reason without trigger, room left for the newer ones) of one entitlement."""
+    if ent.is_past_expiry(now):
+        assert ent.expires_at is not None  # is_past_expiry() is False without one
+        return str(EntitlementState.EXPIRED), f"expired at {ent.expires_at.isoformat()}", room
+    if not ent.reserves_capacity:
+        return str(EntitlementState.BOUND), f"{ent.service_class} reserves no capacity; bound to pool {pool_name}", room
+    need = ent.reservation
+    if need.fits_in(room):
+        kind = "time-averaged reservation" if ent.service_class == "elastic" else "reserved baseline"
+        return str(EntitlementState.BOUND), f"{kind} fits pool {pool_name}", room - need
+    if _stays_bound_oversubscribed(ent, capacity):
+        return (str(EntitlementState.BOUND), f"pool {pool_name} shrank under this time-averaged reservation "
+                f"({_shortfall(need, room)}): oversubscribed, shared by priority and debt", room)
+    return str(EntitlementState.DEGRADED), f"baseline does not fit pool {pool_name}: {_shortfall(need, room)}", room
+
+
+def _order(ent: TokenEntitlement) -> tuple[datetime, int]:
+    return (ent.created_at, ent.pk)
+
+
+class PoolBinding:
+    """The entitlements of one pool whose row the caller holds locked, evaluated in memory (see the module)."""
+
+    def __init__(self, pool: TokenPool, now: datetime, history: list[EntitlementStateChange] | None = None) -> None:
+        self.pool = pool
+        self.now = now
+        self.capacity = pool.capacity()
+        self.entitlements: list[TokenEntitlement] = list(
+            pool.entitlements.select_for_update().order_by("created_at", "id"))
+        self.stored: dict[int, tuple[str, str, datetime]] = {
+            e.pk: (e.state, e.state_reason, e.state_changed_at) for e in self.entitlements}
+        self.history = [] if history is None else history  # shared by the bindings of one apply: write order
+        self.changes: list[tuple[TokenEntitlement, str, str]] = []
+        self._by_pk = {e.pk: e for e in self.entitlements}
+        self._base: dict[int, str] = {}
+        self._room_after: list[Capacity] = []  # the room left after each evaluated entitlement
+        self._trigger: str | None = None  # the last write's; None: nothing evaluated yet
+
+    def _position(self, ent: TokenEntitlement) -> int:
+        return bisect.bisect_left(self.entitlements, _order(ent), key=_order)
+
+    def get(self, pk: int) -> TokenEntitlement | None:
+        return self._by_pk.get(pk)
+
+    def evaluate(self, trigger: str, start: int = 0) -> None:
+        """What a write's full evaluation does, walking from ``start`` (the first entitlement it can change)."""
+        start = min(start, len(self._room_after))
+        room = self._room_after[start - 1] if start else self.capacity
+        del self._room_after[start:]
+        suffix = f" ({trigger})" if trigger else ""
+        for ent in self.entitlements[start:]:
+            target, base, room = evaluate_one(ent, room, self.capacity, self.pool.name, self.now)
+            if ent.state != target:
+                self.history.append(EntitlementStateChange(entitlement=ent, from_state=ent.state, to_state=target,
+                                                           reason=(base + suffix)[:500], at=self.now))
+                self.changes.append((ent, ent.state, target))
+                ent.state = target
+                ent.state_changed_at = self.now
+            self._base[ent.pk] = base
+            self._room_after.append(room)
+        self._trigger = trigger
+
+    def added(self, ent: TokenEntitlement, trigger: str) -> None:
+        """A new (saved) entitlement of this pool: placed in order and evaluated from there."""
+        position = self._position(ent)
+        self.entitlements.insert(position, ent)
+        self._by_pk[ent.pk] = ent
+        self.stored[ent.pk] = (ent.state, ent.state_reason, ent.state_changed_at)
+        self.evaluate(trigger, position)
+
+    def changed(self, ent: TokenEntitlement, trigger: str) -> None:
+        """One of its entitlements (this very object) changed: evaluated from it on."""
+        self.evaluate(trigger, self._position(ent))
+
+    def removed(self, ent: TokenEntitlement, trigger: str) -> None:
+        """An entitlement left this pool (moved or deleted): the newer ones are evaluated again."""
+        position = self._position(ent)
+        del self.entitlements[position]
+        self._by_pk.pop(ent.pk, None)
+        self.stored.pop(ent.pk, None)
+        self.evaluate(trigger, position)
+
+    def flush(self) -> list[TokenEntitlement]:
+        """Write the states and reasons that changed (not the history: ``write_history``); returns them."""
+        if self._trigger is None:
+            return []
+        suffix = f" ({self._trigger})" if self._trigger else ""
+        dirty = []
+        for ent in self.entitlements:
+            ent.state_reason = (self._base[ent.pk] + suffix)[:500]
+            if (ent.state, ent.state_reason, ent.state_changed_at) != self.stored.get(ent.pk):
+                dirty.append(ent)
+        TokenEntitlement.objects.bulk_update(dirty, STATE_FIELDS, batch_size=500)
+        for ent in dirty:
+            self.stored[ent.pk] = (ent.state, ent.state_reason, ent.state_changed_at)
+            post_save.send(sender=TokenEntitlement, instance=ent, created=False, update_fields=frozenset(STATE_FIELDS),
+                           raw=False, using=ent._state.db or "default")
+        return dirty
+
+
+def write_history(history: list[EntitlementStateChange]) -> None:
+    EntitlementStateChange.objects.bulk_create(history, batch_size=500)
+    history.clear()
+
+
+def evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tuple[Any, str, str]]:
+    """One write's evaluation of a locked pool, written at once; returns ``(entitlement, from, to)`` per change."""
+    binding = PoolBinding(pool, now)
+    binding.evaluate(trigger)
+    binding.flush()
+    write_history(binding.history)
+    return binding.changes
