@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.apply_scale [--sizes 1000 2000 5000 10000] [--quick] [--degraded 0.1] [--write-results]
 
+The manifest is a directory of files of 1,000 entitlements each (a file is bounded by MANIFEST_MAX_BYTES).
 Per size, in a fresh process with its own throwaway database (the project's settings, `migrate` into a
 temporary DATABASE_URL): the first `manage.py apply -f` of the manifest, an unchanged re-apply, `manage.py diff`
 of the unchanged manifest, `diff` of a manifest with 1% of the entitlements changed (their tokens/s: a
@@ -55,9 +56,14 @@ def entitlement_doc(i: int, tokens_per_second: int = 10) -> str:
             f"  resources: {{tokensPerSecond: {tokens_per_second}, kvCacheGiB: 0.001, concurrency: 1}}\n")
 
 
-def manifest(n: int, *, fit: int | None = None, changed: frozenset[int] = frozenset()) -> str:
+PER_FILE = 1000  # entitlements per file: a file is bounded (MANIFEST_MAX_BYTES, 1 MiB by default)
+
+
+def manifest(n: int, *, fit: int | None = None, changed: frozenset[int] = frozenset(),
+             start: int = 0, stop: int | None = None) -> str:
     """One tenant, one pool with room for ``fit`` (default all ``n``) of the ``n`` guaranteed entitlements (1 slot,
-    10 tokens/s, 0.001 GiB each); the entitlements in ``changed`` ask for 11 tokens/s instead of 10."""
+    10 tokens/s, 0.001 GiB each); the entitlements in ``changed`` ask for 11 tokens/s instead of 10. ``start`` and
+    ``stop`` pick a slice of the entitlements (the tenant and the pool come with the first)."""
     fit = n if fit is None else fit
     slots = max(fit, 1)
     head = (f"apiVersion: tokenpools.io/v1alpha1\nkind: Tenant\nmetadata: {{name: {TENANT}}}\n"
@@ -69,7 +75,17 @@ def manifest(n: int, *, fit: int | None = None, changed: frozenset[int] = frozen
             # Slots bind exactly `fit`; tokens/s and KV leave room for the changed ones' extra token/s.
             f"  capacityPerReplica: {{slots: {slots}, tokensPerSecond: {slots * 11}, kvCacheGiB: {slots * 0.002:g}}}\n"
             f"  kvGeometry: {{layers: 4, kvHeads: 4, headDim: 64, bytesPerElement: 2}}\n")
-    return head + "".join(entitlement_doc(i, 11 if i in changed else 10) for i in range(n))
+    body = "".join(entitlement_doc(i, 11 if i in changed else 10) for i in range(start, n if stop is None else stop))
+    return (head if start == 0 else "") + body
+
+
+def write_manifest(folder: Path, n: int, *, fit: int, changed: frozenset[int] = frozenset()) -> Path:
+    """The manifest as a directory of files of ``PER_FILE`` entitlements (as a GitOps repository holds them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for number, start in enumerate(range(0, max(n, 1), PER_FILE)):
+        text = manifest(n, fit=fit, changed=changed, start=start, stop=min(n, start + PER_FILE))
+        (folder / f"part-{number:03d}.yaml").write_text(text.removeprefix("---\n"))
+    return folder
 
 
 def _call(command: str, path: Path) -> tuple[float, int]:
@@ -118,10 +134,9 @@ def measure(n: int, folder: Path, *, degraded: float = 0.0, requests: int = 50) 
     from apps.pools.models import EntitlementState, TokenEntitlement
 
     fit = n - int(n * degraded)
-    base, changed = folder / f"apply-{n}.yaml", folder / f"apply-{n}-changed.yaml"
-    base.write_text(manifest(n, fit=fit))
+    base = write_manifest(folder / f"apply-{n}", n, fit=fit)
     step = 100  # 1% of them, spread over the list
-    changed.write_text(manifest(n, fit=fit, changed=frozenset(range(0, n, step))))
+    changed = write_manifest(folder / f"apply-{n}-changed", n, fit=fit, changed=frozenset(range(0, n, step)))
 
     def timed(what: str, command: str, path: Path, expect: int) -> float:
         seconds, code = _call(command, path)

@@ -131,14 +131,16 @@ def load_all(text: str) -> list[Any]:
 
 def structure_problem(documents: list[Any]) -> tuple[int, str] | None:
     """(document index, why) for documents given as data (a JSON body) that cross the depth or node bounds."""
-    nodes = 0
     for index, document in enumerate(documents):
+        # Per document: the documents of several files (each bounded by the loader and MANIFEST_MAX_BYTES) make
+        # one manifest of thousands of entitlements; a body's total is bounded by its size (JSON has no aliases).
+        nodes = 0
         stack: list[tuple[Any, int]] = [(document, 1)]
         while stack:  # iterative: a deep document must not exhaust Python's recursion limit here either
             node, depth = stack.pop()
             nodes += 1
             if nodes > MAX_NODES:
-                return index, f"more than {MAX_NODES} values in the manifest"
+                return index, f"more than {MAX_NODES} values in one document"
             if depth > MAX_DEPTH:
                 return index, f"nested deeper than {MAX_DEPTH} levels"
             children = node.values() if isinstance(node, Mapping) else node if isinstance(node, list) else ()
