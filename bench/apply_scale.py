@@ -7,7 +7,7 @@ Per size, in a fresh process with its own throwaway database (the project's sett
 temporary DATABASE_URL): the first `manage.py apply -f` of the manifest, an unchanged re-apply, `manage.py diff`
 of the unchanged manifest, `diff` of a manifest with 1% of the entitlements changed (their tokens/s: a
 capacity change, so binding runs again), and the apply of that manifest; then a page of the REST entitlement
-list (`GET /api/v1/entitlements/`, Django's test client as a superuser, `--requests` times: p50/p99) and one
+list (`GET /api/v1/entitlements/`, Django's test client as a superuser, one warm-up then `--requests` times: p50/p99) and one
 build of the gateway's snapshot (`apps.gateway.snapshot.snapshot_load`). `--degraded F` sizes the pool so
 that the newest fraction F of the entitlements does not fit (they are applied Degraded, with a warning each).
 The table goes to stdout with the growth exponent of each timing between consecutive sizes (1.0: linear);
@@ -112,6 +112,7 @@ def _list_latencies(requests: int) -> list[float]:
         get_user_model().objects.create_superuser("bench-admin", password="bench-admin-pass-1")
     client = APIClient()
     client.force_authenticate(user)
+    client.get("/api/v1/entitlements/")  # warm-up: the first request builds the URL resolver and serializers
     samples = []
     for _ in range(requests):
         start = time.perf_counter()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.db.models.signals import post_save
 
 from apps.pools.manifests import manifests_apply
 from apps.pools.models import EntitlementStateChange, TokenEntitlement
@@ -128,3 +129,23 @@ def test_apply_binds_degrades_and_records_history_as_the_one_by_one_writes_did()
     assert _states() == THIRD_STATES
     assert _history() == FIRST_HISTORY + SECOND_NEW_HISTORY + THIRD_NEW_HISTORY
     assert [(w.name, w.state, w.reason) for w in third.warnings] == [s for s in THIRD_STATES if s[1] == "Degraded"]
+
+
+@pytest.mark.django_db
+def test_a_state_written_in_bulk_still_sends_post_save_for_that_entitlement() -> None:
+    _apply(4, ent("a", "guaranteed", 2), ent("b", "guaranteed", 2))
+    seen: list[tuple[str, str, frozenset[str] | None]] = []
+
+    def receiver(sender: Any, instance: TokenEntitlement, update_fields: Any = None, **_: Any) -> None:
+        seen.append((instance.name, instance.state, update_fields))
+
+    post_save.connect(receiver, sender=TokenEntitlement, dispatch_uid="test-bulk-state")
+    try:
+        _apply(3, ent("a", "guaranteed", 2), ent("b", "guaranteed", 2))  # the pool shrinks: b no longer fits
+    finally:
+        post_save.disconnect(dispatch_uid="test-bulk-state", sender=TokenEntitlement)
+    # Each entitlement whose state or reason changed (a's reason now names the pool's update), as each one's
+    # own save() sent it.
+    fields = frozenset({"state", "state_reason", "state_changed_at"})
+    assert seen == [("a", "Bound", fields), ("b", "Degraded", fields)]
+    assert TokenEntitlement.objects.get(name="b").state == "Degraded"
