@@ -9,7 +9,6 @@ from typing import Any
 
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from apps.pools.manifests.diff import object_diffs, stored_manifests
@@ -234,11 +233,14 @@ def _apply_pool(plan: Plan, actor: Any, now: dt.datetime) -> tuple[str, tuple[st
 def _warnings(plans: dict[str, list[Plan]]) -> list[EntitlementWarning]:
     """Entitlements left Pending or Degraded: the manifest's own, and those of its pools (a pool it shrank
     degrades entitlements the manifest does not name)."""
-    names = [p.name for p in plans["TokenEntitlement"]]
-    pools = [p.name for p in plans["TokenPool"]]
+    names = {p.name for p in plans["TokenEntitlement"]}
+    pools = {p.name for p in plans["TokenPool"]}
+    # By pool, not by a list of thousands of names: the manifest's entitlements are in their documents' pools.
+    in_pools = pools | {p.values["pool_name"] for p in plans["TokenEntitlement"]}
     troubled = (TokenEntitlement.objects.filter(state__in=(EntitlementState.PENDING, EntitlementState.DEGRADED))
-                .filter(Q(name__in=names) | Q(pool__name__in=pools)).order_by("name"))
-    return [EntitlementWarning(e.name, e.state, e.state_reason) for e in troubled]
+                .filter(pool__name__in=in_pools).select_related("pool").order_by("name"))
+    return [EntitlementWarning(e.name, e.state, e.state_reason) for e in troubled
+            if e.name in names or e.pool.name in pools]
 
 
 class _DryRun(Exception):
