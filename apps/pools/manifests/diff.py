@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import yaml
@@ -24,16 +25,30 @@ from apps.tenancy.models import Tenant
 KINDS = ("Tenant", "TokenPool", "TokenEntitlement")
 
 
-@dataclass(frozen=True, slots=True)
+Doc = dict[str, Any] | None  # an object as a manifest document; None when it does not exist
+
+
+@dataclass(frozen=True)
 class ObjectDiff:
     kind: str
     name: str
-    stored: str  # the object as stored, as a manifest ('' when it does not exist)
-    applied: str  # as it would be after the apply
+    before: Doc  # the object as stored
+    after: Doc  # as it would be after the apply
+
+    @cached_property
+    def stored(self) -> str:
+        """The object as stored, as manifest text ('' when it does not exist)."""
+        return _dump(self.before)
+
+    @cached_property
+    def applied(self) -> str:
+        return _dump(self.after)
 
     @property
     def changed(self) -> bool:
-        return self.stored != self.applied
+        # Whether the texts differ; the same repr (types and key order included) is the same text, so the YAML
+        # is written only for the objects that change (a diff of thousands of unchanged ones writes none).
+        return repr(self.before) != repr(self.after) and self.stored != self.applied
 
     def unified(self) -> str:
         return "".join(difflib.unified_diff(
@@ -41,16 +56,15 @@ class ObjectDiff:
             fromfile=f"{self.kind}/{self.name} (stored)", tofile=f"{self.kind}/{self.name} (manifest)"))
 
 
-# libyaml's emitter when PyYAML has it (the same text as the pure-Python one, several times faster: a diff of
-# thousands of entitlements dumps each twice).
+# libyaml's emitter when PyYAML has it (the same text as the pure-Python one, faster).
 _DUMPER: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
-def _dump(doc: dict[str, Any] | None) -> str:
+def _dump(doc: Doc) -> str:
     return "" if doc is None else yaml.dump(doc, Dumper=_DUMPER, sort_keys=False, default_flow_style=False)
 
 
-def _stored_of_kind(kind: str, names: list[str]) -> dict[str, str]:
+def _stored_of_kind(kind: str, names: list[str]) -> dict[str, Doc]:
     """The objects of one kind with these names, each exported as stored (one query per chunk of names)."""
     docs: dict[str, dict[str, Any]] = {}
     for chunk in in_chunks(names):
@@ -61,17 +75,17 @@ def _stored_of_kind(kind: str, names: list[str]) -> dict[str, str]:
         else:
             query = TokenEntitlement.objects.select_related("tenant", "pool").filter(name__in=chunk)
             docs.update({e.name: entitlement_to_manifest(e) for e in query})
-    return {name: _dump(docs.get(name)) for name in names}
+    return {name: docs.get(name) for name in names}
 
 
-def stored_manifests(plans: Mapping[str, Sequence[Any]]) -> dict[tuple[str, str], str]:
+def stored_manifests(plans: Mapping[str, Sequence[Any]]) -> dict[tuple[str, str], Doc]:
     """Every object the plans name, exported as it is stored now (kind by kind, in document order)."""
-    out: dict[tuple[str, str], str] = {}
+    out: dict[tuple[str, str], Doc] = {}
     for kind in KINDS:
         names = [plan.name for plan in plans.get(kind, ())]
-        out.update({(kind, name): text for name, text in _stored_of_kind(kind, names).items()})
+        out.update({(kind, name): doc for name, doc in _stored_of_kind(kind, names).items()})
     return out
 
 
-def object_diffs(before: Mapping[tuple[str, str], str], after: Mapping[tuple[str, str], str]) -> list[ObjectDiff]:
-    return [ObjectDiff(kind, name, text, after.get((kind, name), "")) for (kind, name), text in before.items()]
+def object_diffs(before: Mapping[tuple[str, str], Doc], after: Mapping[tuple[str, str], Doc]) -> list[ObjectDiff]:
+    return [ObjectDiff(kind, name, doc, after.get((kind, name))) for (kind, name), doc in before.items()]
