@@ -35,6 +35,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.pools.binding import evaluate_pool
@@ -180,7 +181,9 @@ def _check_pool(pool: TokenPool, replicas: Sequence[Mapping[str, Any]] | None) -
         errors.setdefault("replicas", []).append(f"{len(replicas)} replicas listed but max_replicas is {pool.max_replicas}")
     if pool.pk is not None and "price_currency" not in errors:
         # Money quotas of the pool's entitlements (and of their tenants) are priced here.
-        for ent in pool.entitlements.select_related("tenant"):
+        # Only those with an amount (theirs or their tenant's) can have a money quota: thousands need not load.
+        priced = Q(quota_amount__isnull=False) | Q(tenant__quota_amount__isnull=False)
+        for ent in pool.entitlements.select_related("tenant").filter(priced):
             for owner, what in ((ent, f"entitlement {ent.name!r}"), (ent.tenant, f"tenant {ent.tenant.slug!r}")):
                 problem = money_quota_problem(owner, pool, what)
                 if problem:

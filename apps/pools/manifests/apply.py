@@ -183,14 +183,17 @@ def _check_money_quotas(tenants: list[Plan], pools: list[Plan], entitlements: li
     in_file = {plan.name for plan in entitlements}
     checks: list[tuple[Plan, Any, str, str, str]] = []  # (plan, owner, pool name, field, what)
     for plan in entitlements:
-        owner = TokenEntitlement(**{k: v for k, v in plan.values.items() if k.startswith("quota_")})
-        checks.append((plan, owner, plan.values["pool_name"], "spec.quota", "this entitlement"))
+        if plan.values.get("quota_amount") is not None:  # else no money quota: nothing to price
+            owner = TokenEntitlement(**{k: v for k, v in plan.values.items() if k.startswith("quota_")})
+            checks.append((plan, owner, plan.values["pool_name"], "spec.quota", "this entitlement"))
         tenant = tenant_as_applied(plan.values["tenant_slug"])
         if tenant is not None:
             checks.append((plan, tenant, plan.values["pool_name"], "spec.poolRef.name",
                            f"its tenant {tenant.slug!r}"))
     for plan in tenants:
         tenant = tenant_as_applied(plan.name)
+        if not tenant.quota_is_money:  # its entitlements need not be read: no price to check
+            continue
         for ent in TokenEntitlement.objects.filter(tenant__slug=plan.name).select_related("pool"):
             if ent.name not in in_file:
                 checks.append((plan, tenant, ent.pool.name, "spec.quota", f"tenant {plan.name!r} (entitlement "
