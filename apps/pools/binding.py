@@ -22,6 +22,7 @@ from django.db.models.signals import post_save
 
 from apps.pools.models import (
     GIB,
+    RESERVING_CLASSES,
     Capacity,
     EntitlementState,
     EntitlementStateChange,
@@ -48,22 +49,26 @@ def _stays_bound_oversubscribed(ent: TokenEntitlement, capacity: Capacity) -> bo
     return ent.service_class == "elastic" and ent.state == EntitlementState.BOUND and capacity.slots > 0
 
 
-def evaluate_one(ent: TokenEntitlement, room: Capacity, capacity: Capacity, pool_name: str,
-                 now: datetime) -> tuple[str, str, Capacity]:
-    """(target state, reason without trigger, room left for the newer ones) of one entitlement."""
-    if ent.is_past_expiry(now):
-        assert ent.expires_at is not None  # is_past_expiry() is False without one
+Room = tuple[int, int, int]  # slots, tokens/s, KV bytes: a Capacity as plain ints (the walk's hot loop)
+
+
+def evaluate_one(ent: TokenEntitlement, need: Room, room: Room, capacity: Capacity, pool_name: str,
+                 now: datetime) -> tuple[str, str, Room]:
+    """(target state, reason without trigger, room left for the newer ones) of one entitlement whose
+    reservation is ``need``."""
+    if ent.expires_at is not None and ent.expires_at <= now:  # ent.is_past_expiry(now)
         return str(EntitlementState.EXPIRED), f"expired at {ent.expires_at.isoformat()}", room
-    if not ent.reserves_capacity:
+    if ent.service_class not in RESERVING_CLASSES:  # not ent.reserves_capacity
         return str(EntitlementState.BOUND), f"{ent.service_class} reserves no capacity; bound to pool {pool_name}", room
-    need = ent.reservation
-    if need.fits_in(room):
+    if need[0] <= room[0] and need[1] <= room[1] and need[2] <= room[2]:
         kind = "time-averaged reservation" if ent.service_class == "elastic" else "reserved baseline"
-        return str(EntitlementState.BOUND), f"{kind} fits pool {pool_name}", room - need
+        return (str(EntitlementState.BOUND), f"{kind} fits pool {pool_name}",
+                (room[0] - need[0], room[1] - need[1], room[2] - need[2]))
+    shortfall = _shortfall(Capacity(*need), Capacity(*room))
     if _stays_bound_oversubscribed(ent, capacity):
         return (str(EntitlementState.BOUND), f"pool {pool_name} shrank under this time-averaged reservation "
-                f"({_shortfall(need, room)}): oversubscribed, shared by priority and debt", room)
-    return str(EntitlementState.DEGRADED), f"baseline does not fit pool {pool_name}: {_shortfall(need, room)}", room
+                f"({shortfall}): oversubscribed, shared by priority and debt", room)
+    return str(EntitlementState.DEGRADED), f"baseline does not fit pool {pool_name}: {shortfall}", room
 
 
 def _order(ent: TokenEntitlement) -> tuple[datetime, int]:
@@ -85,7 +90,8 @@ class PoolBinding:
         self.changes: list[tuple[TokenEntitlement, str, str]] = []
         self._by_pk = {e.pk: e for e in self.entitlements}
         self._base: dict[int, str] = {}
-        self._room_after: list[Capacity] = []  # the room left after each evaluated entitlement
+        self._room_after: list[Room] = []  # the room left after each evaluated entitlement
+        self._needs: dict[int, Room] = {}  # each one's reservation, computed once (Decimal GiB to bytes)
         self._trigger: str | None = None  # the last write's; None: nothing evaluated yet
 
     def _position(self, ent: TokenEntitlement) -> int:
@@ -97,11 +103,16 @@ class PoolBinding:
     def evaluate(self, trigger: str, start: int = 0) -> None:
         """What a write's full evaluation does, walking from ``start`` (the first entitlement it can change)."""
         start = min(start, len(self._room_after))
-        room = self._room_after[start - 1] if start else self.capacity
+        cap = self.capacity
+        room = self._room_after[start - 1] if start else (cap.slots, cap.tokens_per_second, cap.kv_bytes)
         del self._room_after[start:]
         suffix = f" ({trigger})" if trigger else ""
         for ent in self.entitlements[start:]:
-            target, base, room = evaluate_one(ent, room, self.capacity, self.pool.name, self.now)
+            need = self._needs.get(ent.pk)
+            if need is None:
+                r = ent.reservation
+                need = self._needs[ent.pk] = (r.slots, r.tokens_per_second, r.kv_bytes)
+            target, base, room = evaluate_one(ent, need, room, cap, self.pool.name, self.now)
             if ent.state != target:
                 self.history.append(EntitlementStateChange(entitlement=ent, from_state=ent.state, to_state=target,
                                                            reason=(base + suffix)[:500], at=self.now))
@@ -122,6 +133,7 @@ class PoolBinding:
 
     def changed(self, ent: TokenEntitlement, trigger: str) -> None:
         """One of its entitlements (this very object) changed: evaluated from it on."""
+        self._needs.pop(ent.pk, None)
         self.evaluate(trigger, self._position(ent))
 
     def removed(self, ent: TokenEntitlement, trigger: str) -> None:
@@ -129,6 +141,7 @@ class PoolBinding:
         position = self._position(ent)
         del self.entitlements[position]
         self._by_pk.pop(ent.pk, None)
+        self._needs.pop(ent.pk, None)
         self.stored.pop(ent.pk, None)
         self.evaluate(trigger, position)
 
