@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from apps.pools.manifests.diff import object_diffs, stored_manifests
 from apps.pools.manifests.entitlements import EntitlementWriter, existing_by_name, in_chunks
+from apps.pools.manifests.export import entitlement_to_manifest
 from apps.pools.manifests.kinds import read_entitlement, read_pool, read_tenant
 from apps.pools.manifests.limits import excerpt, structure_problem
 from apps.pools.manifests.reader import (
@@ -280,7 +281,10 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
     try:
         with transaction.atomic():
             plans = _validate(documents, actor)
-            before = stored_manifests(plans) if compare else {}
+            # The entitlements as validation loaded them (tenant and pool with them), not read a second time.
+            loaded = {("TokenEntitlement", p.name): None if p.existing is None else entitlement_to_manifest(p.existing)
+                      for p in plans["TokenEntitlement"]} if compare else {}
+            before = stored_manifests(plans, loaded) if compare else {}
             actions: dict[int, AppliedDocument] = {}
             for kind, write in (("Tenant", lambda p: apply_tenant(p, actor)),
                                 ("TokenPool", lambda p: _apply_pool(p, actor, now))):
@@ -295,7 +299,10 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
             result.documents = [actions[i] for i in sorted(actions)]
             result.warnings = _warnings(plans)
             if compare:
-                result.diffs = object_diffs(before, stored_manifests(plans))
+                # An entitlement reported unchanged was not written (its binding's state is not in the manifest).
+                same = {("TokenEntitlement", d.name): before[("TokenEntitlement", d.name)] for d in result.documents
+                        if d.kind == "TokenEntitlement" and d.action == "unchanged"}
+                result.diffs = object_diffs(before, stored_manifests(plans, same))
             if dry_run:
                 raise _DryRun(result)
     except _DryRun as rolled_back:

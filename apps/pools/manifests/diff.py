@@ -78,12 +78,16 @@ def _stored_of_kind(kind: str, names: list[str]) -> dict[str, Doc]:
     return {name: docs.get(name) for name in names}
 
 
-def stored_manifests(plans: Mapping[str, Sequence[Any]]) -> dict[tuple[str, str], Doc]:
-    """Every object the plans name, exported as it is stored now (kind by kind, in document order)."""
+def stored_manifests(plans: Mapping[str, Sequence[Any]],
+                     known: Mapping[tuple[str, str], Doc] | None = None) -> dict[tuple[str, str], Doc]:
+    """Every object the plans name, exported as it is stored now (kind by kind, in document order); those in
+    ``known`` (exported from rows already loaded, or unchanged since) are not read again."""
+    known = known or {}
     out: dict[tuple[str, str], Doc] = {}
     for kind in KINDS:
         names = [plan.name for plan in plans.get(kind, ())]
-        out.update({(kind, name): doc for name, doc in _stored_of_kind(kind, names).items()})
+        read = _stored_of_kind(kind, [name for name in names if (kind, name) not in known])
+        out.update({(kind, name): known[(kind, name)] if (kind, name) in known else read[name] for name in names})
     return out
 
 

@@ -128,26 +128,36 @@ def _load_all_python(text: str) -> list[Any]:
         loader.dispose()
 
 
+# What each libyaml event is to the checks: 0 a scalar, 1 a collection opening, -1 one closing, 2 a document
+# starting, 3 an alias; other events are not counted.
+_EVENT_ROLE: dict[type, int] = {yaml.ScalarEvent: 0, yaml.SequenceStartEvent: 1, yaml.MappingStartEvent: 1,
+                                yaml.SequenceEndEvent: -1, yaml.MappingEndEvent: -1, yaml.DocumentStartEvent: 2,
+                                yaml.AliasEvent: 3}
+
+
 def _check_events(text: str) -> None:
     """``ManifestLoader``'s checks on libyaml's event stream, in the same order with the same messages: an alias,
     the node count, the depth (raises ``ManifestLimitError``; a malformed stream raises yaml's own error)."""
     document, depth, nodes = -1, 0, 0
+    roles = _EVENT_ROLE
     for event in yaml.parse(text, Loader=yaml.CSafeLoader):
-        if isinstance(event, yaml.DocumentStartEvent):
-            document, depth = document + 1, 0
-        elif isinstance(event, yaml.AliasEvent):
-            raise ManifestLimitError(document, f"YAML aliases (*{short(event.anchor, 40)}) are not "
-                                     f"accepted in manifests: write the value out ({_where(event)})")
-        elif isinstance(event, (yaml.ScalarEvent, yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+        role = roles.get(type(event))
+        if role is None:
+            continue
+        if role == -1:
+            depth -= 1
+        elif role <= 1:  # a node: a scalar or a collection
             nodes += 1
             if nodes > MAX_NODES:
                 raise ManifestLimitError(document, f"more than {MAX_NODES} values in the manifest ({_where(event)})")
-            if depth + 1 > MAX_DEPTH:
+            if depth >= MAX_DEPTH:
                 raise ManifestLimitError(document, f"nested deeper than {MAX_DEPTH} levels ({_where(event)})")
-            if not isinstance(event, yaml.ScalarEvent):
-                depth += 1
-        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            depth -= 1
+            depth += role
+        elif role == 2:
+            document, depth = document + 1, 0
+        else:
+            raise ManifestLimitError(document, f"YAML aliases (*{short(event.anchor, 40)}) are not "
+                                     f"accepted in manifests: write the value out ({_where(event)})")
 
 
 def load_all(text: str) -> list[Any]:
