@@ -44,6 +44,12 @@ class Row:
     diff_unchanged_s: float
     diff_changed_s: float
     reapply_changed_s: float  # 1% of the entitlements changed
+    # CPU seconds of the same steps (this process: Python and SQLite): what a busy shared machine disturbs less.
+    apply_cpu: float
+    reapply_unchanged_cpu: float
+    diff_unchanged_cpu: float
+    diff_changed_cpu: float
+    reapply_changed_cpu: float
     list_p50_ms: float
     list_p99_ms: float
     snapshot_s: float
@@ -88,12 +94,12 @@ def write_manifest(folder: Path, n: int, *, fit: int, changed: frozenset[int] = 
     return folder
 
 
-def _call(command: str, path: Path) -> tuple[float, int]:
-    """Run `manage.py <command> -f path` in this process; (seconds, exit code)."""
+def _call(command: str, path: Path) -> tuple[float, float, int]:
+    """Run `manage.py <command> -f path` in this process; (seconds, CPU seconds, exit code)."""
     from django.core.management import call_command
     from django.core.management.base import CommandError
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     code = 0
     try:
         call_command(command, "-f", str(path), stdout=io.StringIO(), stderr=io.StringIO())
@@ -101,7 +107,7 @@ def _call(command: str, path: Path) -> tuple[float, int]:
         code = int(exc.code or 0)
     except CommandError as exc:
         raise RuntimeError(f"{command} failed: {exc}") from exc
-    return time.perf_counter() - start, code
+    return time.perf_counter() - start, time.process_time() - cpu, code
 
 
 def _list_latencies(requests: int) -> list[float]:
@@ -139,12 +145,12 @@ def measure(n: int, folder: Path, *, degraded: float = 0.0, requests: int = 50) 
     step = 100  # 1% of them, spread over the list
     changed = write_manifest(folder / f"apply-{n}-changed", n, fit=fit, changed=frozenset(range(0, n, step)))
 
-    def timed(what: str, command: str, path: Path, expect: int) -> float:
-        seconds, code = _call(command, path)
+    def timed(what: str, command: str, path: Path, expect: int) -> tuple[float, float]:
+        seconds, cpu, code = _call(command, path)
         if code != expect:
             raise RuntimeError(f"{what}: exit {code}, expected {expect}")
-        print(f"  n={n} {what}: {seconds:.2f} s", file=sys.stderr, flush=True)
-        return seconds
+        print(f"  n={n} {what}: {seconds:.2f} s ({cpu:.2f} s CPU)", file=sys.stderr, flush=True)
+        return round(seconds, 3), round(cpu, 3)
 
     apply_s = timed("apply", "apply", base, 0)
     stuck = TokenEntitlement.objects.exclude(state=EntitlementState.BOUND).count()
@@ -161,9 +167,9 @@ def measure(n: int, folder: Path, *, degraded: float = 0.0, requests: int = 50) 
     if len(snapshot.pools[POOL].entitlements) != n:
         raise RuntimeError("the snapshot lacks entitlements")
     print(f"  n={n} list p99 {_p(samples, 0.99) * 1000:.1f} ms, snapshot {snapshot_s:.2f} s", file=sys.stderr)
-    return Row(n, n - fit, round(apply_s, 3), round(reapply_s, 3), round(diff_s, 3), round(diff_changed_s, 3),
-               round(reapply_changed_s, 3), round(_p(samples, 0.5) * 1000, 1), round(_p(samples, 0.99) * 1000, 1),
-               round(snapshot_s, 3))
+    steps = (apply_s, reapply_s, diff_s, diff_changed_s, reapply_changed_s)
+    return Row(n, n - fit, *(wall for wall, _ in steps), *(cpu for _, cpu in steps),
+               round(_p(samples, 0.5) * 1000, 1), round(_p(samples, 0.99) * 1000, 1), round(snapshot_s, 3))
 
 
 def _one(n: int, degraded: float, requests: int) -> None:
@@ -183,7 +189,7 @@ def _one(n: int, degraded: float, requests: int) -> None:
 
 def exponents(rows: list[Row]) -> list[dict[str, float]]:
     """log(t2/t1) / log(n2/n1) of each timing between consecutive sizes: 1.0 is linear, 2.0 quadratic."""
-    timed = [f.name for f in fields(Row) if f.name.endswith("_s")]
+    timed = [f.name for f in fields(Row) if f.name.endswith(("_s", "_cpu"))]
     out = []
     for a, b in zip(rows, rows[1:], strict=False):
         ratio = math.log(b.entitlements / a.entitlements)
