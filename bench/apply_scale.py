@@ -167,8 +167,8 @@ def measure(n: int, folder: Path, *, degraded: float = 0.0, requests: int = 50) 
     if len(snapshot.pools[POOL].entitlements) != n:
         raise RuntimeError("the snapshot lacks entitlements")
     print(f"  n={n} list p99 {_p(samples, 0.99) * 1000:.1f} ms, snapshot {snapshot_s:.2f} s", file=sys.stderr)
-    steps = (apply_s, reapply_s, diff_s, diff_changed_s, reapply_changed_s)
-    return Row(n, n - fit, *(wall for wall, _ in steps), *(cpu for _, cpu in steps),
+    return Row(n, n - fit, apply_s[0], reapply_s[0], diff_s[0], diff_changed_s[0], reapply_changed_s[0],
+               apply_s[1], reapply_s[1], diff_s[1], diff_changed_s[1], reapply_changed_s[1],
                round(_p(samples, 0.5) * 1000, 1), round(_p(samples, 0.99) * 1000, 1), round(snapshot_s, 3))
 
 

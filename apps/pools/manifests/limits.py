@@ -156,7 +156,8 @@ def _check_events(text: str) -> None:
         elif role == 2:
             document, depth = document + 1, 0
         else:
-            raise ManifestLimitError(document, f"YAML aliases (*{short(event.anchor, 40)}) are not "
+            anchor = str(getattr(event, "anchor", ""))  # an AliasEvent's
+            raise ManifestLimitError(document, f"YAML aliases (*{short(anchor, 40)}) are not "
                                      f"accepted in manifests: write the value out ({_where(event)})")
 
 
