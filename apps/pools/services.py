@@ -35,12 +35,12 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.validators import URLValidator
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from apps.audit.recorder import record_created
+from apps.pools.binding import evaluate_pool
 from apps.pools.models import (
-    GIB,
-    Capacity,
     EntitlementState,
     EntitlementStateChange,
     Replica,
@@ -93,72 +93,12 @@ CAPACITY_FIELDS = frozenset({"slots_per_replica", "tokens_per_second_per_replica
 # --- binding -----------------------------------------------------------------------------------------
 
 
-def _record_state(ent: TokenEntitlement, to_state: str, reason: str, now: datetime) -> bool:
-    """Move ``ent`` to ``to_state`` (saving it); write a history row if the state changed."""
-    reason = reason[:500]
-    changed = ent.state != to_state
-    if changed:
-        EntitlementStateChange.objects.create(
-            entitlement=ent, from_state=ent.state, to_state=to_state, reason=reason, at=now
-        )
-        ent.state = to_state
-        ent.state_changed_at = now
-    if changed or ent.state_reason != reason:
-        ent.state_reason = reason
-        ent.save(update_fields=["state", "state_reason", "state_changed_at"])
-    return changed
-
-
-def _shortfall(need: Capacity, room: Capacity) -> str:
-    parts = []
-    if need.slots > room.slots:
-        parts.append(f"concurrency {need.slots} > {max(room.slots, 0)} free slots")
-    if need.tokens_per_second > room.tokens_per_second:
-        parts.append(f"tokens/s {need.tokens_per_second} > {max(room.tokens_per_second, 0)} free")
-    if need.kv_bytes > room.kv_bytes:
-        parts.append(f"KV cache {need.kv_bytes / GIB:g} GiB > {max(room.kv_bytes, 0) / GIB:g} GiB free")
-    return "; ".join(parts)
-
-
-def _stays_bound_oversubscribed(ent: TokenEntitlement, capacity: Capacity) -> bool:
-    """A Bound elastic entitlement keeps its binding through a capacity drop (not through losing it all)."""
-    return ent.service_class == "elastic" and ent.state == EntitlementState.BOUND and capacity.slots > 0
-
-
 def _evaluate_pool(pool: TokenPool, *, now: datetime, trigger: str) -> list[tuple[TokenEntitlement, str, str]]:
-    """Recompute every entitlement state of a pool whose row the caller holds locked.
+    """Recompute every entitlement state of a pool whose row the caller holds locked (``apps.pools.binding``).
 
     Returns the ``(entitlement, from_state, to_state)`` of each change.
     """
-    capacity = pool.capacity()
-    room = capacity
-    suffix = f" ({trigger})" if trigger else ""
-    changes: list[tuple[TokenEntitlement, str, str]] = []
-    entitlements = list(pool.entitlements.select_for_update().order_by("created_at", "id"))
-    for ent in entitlements:
-        if ent.is_past_expiry(now):
-            target: str = str(EntitlementState.EXPIRED)
-            assert ent.expires_at is not None  # is_past_expiry() is False without one
-            reason = f"expired at {ent.expires_at.isoformat()}"
-        elif not ent.reserves_capacity:
-            target = str(EntitlementState.BOUND)
-            reason = f"{ent.service_class} reserves no capacity; bound to pool {pool.name}"
-        elif ent.reservation.fits_in(room):
-            room = room - ent.reservation
-            kind = "time-averaged reservation" if ent.service_class == "elastic" else "reserved baseline"
-            target = str(EntitlementState.BOUND)
-            reason = f"{kind} fits pool {pool.name}"
-        elif _stays_bound_oversubscribed(ent, capacity):
-            target = str(EntitlementState.BOUND)
-            reason = (f"pool {pool.name} shrank under this time-averaged reservation "
-                      f"({_shortfall(ent.reservation, room)}): oversubscribed, shared by priority and debt")
-        else:
-            target = str(EntitlementState.DEGRADED)
-            reason = f"baseline does not fit pool {pool.name}: {_shortfall(ent.reservation, room)}"
-        before = ent.state
-        if _record_state(ent, target, reason + suffix, now):
-            changes.append((ent, before, target))
-    return changes
+    return evaluate_pool(pool, now=now, trigger=trigger)
 
 
 def _lock_pool(pool_id: int) -> TokenPool:
@@ -243,7 +183,9 @@ def _check_pool(pool: TokenPool, replicas: Sequence[Mapping[str, Any]] | None) -
         errors.setdefault("replicas", []).append(f"{len(replicas)} replicas listed but max_replicas is {pool.max_replicas}")
     if pool.pk is not None and "price_currency" not in errors:
         # Money quotas of the pool's entitlements (and of their tenants) are priced here.
-        for ent in pool.entitlements.select_related("tenant"):
+        # Only those with an amount (theirs or their tenant's) can have a money quota: thousands need not load.
+        priced = Q(quota_amount__isnull=False) | Q(tenant__quota_amount__isnull=False)
+        for ent in pool.entitlements.select_related("tenant").filter(priced):
             for owner, what in ((ent, f"entitlement {ent.name!r}"), (ent.tenant, f"tenant {ent.tenant.slug!r}")):
                 problem = money_quota_problem(owner, pool, what)
                 if problem:

@@ -9,10 +9,11 @@ from typing import Any
 
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from apps.pools.manifests.diff import object_diffs, stored_manifests
+from apps.pools.manifests.entitlements import EntitlementWriter, existing_by_name, in_chunks
+from apps.pools.manifests.export import entitlement_to_manifest
 from apps.pools.manifests.kinds import read_entitlement, read_pool, read_tenant
 from apps.pools.manifests.limits import excerpt, structure_problem
 from apps.pools.manifests.reader import (
@@ -38,8 +39,6 @@ from apps.pools.manifests.tenants import apply_tenant, validate_tenants
 from apps.pools.models import ENTITLEMENT_NAME_TAKEN, EntitlementState, TokenEntitlement, TokenPool
 from apps.pools.services import (
     _check_pool,
-    entitlement_create,
-    entitlement_update,
     money_quota_problem,
     pool_create,
     pool_update,
@@ -52,10 +51,6 @@ def _pool_values_of(pool: TokenPool) -> tuple[dict[str, Any], list[dict[str, Any
     values = {name: getattr(pool, name) for name in POOL_PATHS if name not in ("name", "replicas")}
     replicas = [{"url": r.url, "enabled": r.enabled} for r in pool.replicas.order_by("position", "id")]
     return values, replicas
-
-
-def _entitlement_values_of(ent: TokenEntitlement) -> dict[str, Any]:
-    return {name: getattr(ent, name) for name in ENTITLEMENT_PATHS if name not in ("name", "tenant")}
 
 
 def _read_documents(documents: list[Any], actor: Any, errors: Collector) -> dict[str, list[Plan]]:
@@ -118,6 +113,13 @@ def _validate_entitlements(entitlements: list[Plan], tenants: list[Plan], pools:
     pool_names_in_file = {p.name for p in pools}
     visible_tenants: dict[str, Tenant] = {t.slug: t for t in tenant_list(user=actor)}
     declared = {plan.name: plan for plan in tenants}
+    # Looked up once for the whole manifest (thousands of entitlements): the stored ones (locked), the pools,
+    # the actor's role per tenant.
+    existing_of = existing_by_name(plan.name for plan in entitlements)
+    stored_pools: dict[str, TokenPool] = {}
+    for chunk in in_chunks({plan.values["pool_name"] for plan in entitlements}):
+        stored_pools.update({p.name: p for p in TokenPool.objects.filter(name__in=chunk)})
+    roles: dict[int, str | None] = {}
     for plan in entitlements:
         v = plan.values
         slug = v["tenant_slug"]
@@ -127,16 +129,18 @@ def _validate_entitlements(entitlements: list[Plan], tenants: list[Plan], pools:
         if tenant is None:
             errors.add(plan.index, plan.kind, plan.name, "spec.tenantId", f"unknown tenant {excerpt(slug)}")
             continue
-        if tenant.pk is not None and user_role(user=actor, tenant=tenant) != "owner":
+        if tenant.pk is not None and tenant.pk not in roles:
+            roles[tenant.pk] = user_role(user=actor, tenant=tenant)
+        if tenant.pk is not None and roles[tenant.pk] != "owner":
             errors.add(plan.index, plan.kind, plan.name, "", f"only owners of tenant {tenant.slug!r} may manage its "
                        "entitlements", True)
             continue
-        existing = TokenEntitlement.objects.select_related("tenant").filter(name=plan.name).first()
+        existing = existing_of.get(plan.name)
         if existing is not None and existing.tenant.slug != slug:
             errors.add(plan.index, plan.kind, plan.name, "metadata.name",
                        ENTITLEMENT_NAME_TAKEN)
             continue
-        pool = TokenPool.objects.filter(name=v["pool_name"]).first()
+        pool = stored_pools.get(v["pool_name"])
         if pool is None and v["pool_name"] not in pool_names_in_file:
             errors.add(plan.index, plan.kind, plan.name, "spec.poolRef.name", f"unknown pool {excerpt(v['pool_name'])}")
             continue
@@ -146,11 +150,11 @@ def _validate_entitlements(entitlements: list[Plan], tenants: list[Plan], pools:
         fields = {k: val for k, val in plan.values.items() if k not in ("tenant_slug", "pool_name")}
         candidate = TokenEntitlement(name=plan.name, tenant=tenant, pool=pool or TokenPool(name=v["pool_name"]),
                                      **fields)
-        exclude = ["state", "state_reason", "state_changed_at"]
-        exclude += ["pool"] if pool is None else []
-        exclude += ["tenant"] if tenant.pk is None else []
+        # The tenant and the pool were just loaded (or are declared by this manifest), and whether the name is
+        # taken is `existing`: full_clean need not query for them.
+        exclude = ["state", "state_reason", "state_changed_at", "pool", "tenant"]
         try:
-            candidate.full_clean(exclude=exclude, validate_unique=existing is None)
+            candidate.full_clean(exclude=exclude, validate_unique=False)
         except ValidationError as exc:
             for path, message in model_errors(exc, ENTITLEMENT_PATHS):
                 errors.add(plan.index, plan.kind, plan.name, path, message)
@@ -160,29 +164,37 @@ def _check_money_quotas(tenants: list[Plan], pools: list[Plan], entitlements: li
     """Money quotas are priced at the pools' prices: each must meet pools priced in its currency, with the
     manifest's tenants, pools and entitlements as they will be once applied."""
 
+    pools_as_applied: dict[str, TokenPool | None] = {}
+    tenants_as_applied: dict[str, Any] = {}
+
     def pool_as_applied(name: str) -> TokenPool | None:
-        plan = next((p for p in pools if p.name == name), None)
-        if plan is None:
-            return TokenPool.objects.filter(name=name).first()
-        return TokenPool(name=name, **{k: v for k, v in plan.values.items() if k.startswith("price_")})
+        if name not in pools_as_applied:
+            plan = next((p for p in pools if p.name == name), None)
+            pools_as_applied[name] = TokenPool.objects.filter(name=name).first() if plan is None else TokenPool(
+                name=name, **{k: v for k, v in plan.values.items() if k.startswith("price_")})
+        return pools_as_applied[name]
 
     def tenant_as_applied(slug: str) -> Any:
-        plan = next((p for p in tenants if p.name == slug), None)
-        if plan is None:
-            return Tenant.objects.filter(slug=slug).first()
-        return Tenant(slug=slug, **{k: v for k, v in plan.values.items() if k.startswith("quota_")})
+        if slug not in tenants_as_applied:
+            plan = next((p for p in tenants if p.name == slug), None)
+            tenants_as_applied[slug] = Tenant.objects.filter(slug=slug).first() if plan is None else Tenant(
+                slug=slug, **{k: v for k, v in plan.values.items() if k.startswith("quota_")})
+        return tenants_as_applied[slug]
 
     in_file = {plan.name for plan in entitlements}
     checks: list[tuple[Plan, Any, str, str, str]] = []  # (plan, owner, pool name, field, what)
     for plan in entitlements:
-        owner = TokenEntitlement(**{k: v for k, v in plan.values.items() if k.startswith("quota_")})
-        checks.append((plan, owner, plan.values["pool_name"], "spec.quota", "this entitlement"))
+        if plan.values.get("quota_amount") is not None:  # else no money quota: nothing to price
+            owner = TokenEntitlement(**{k: v for k, v in plan.values.items() if k.startswith("quota_")})
+            checks.append((plan, owner, plan.values["pool_name"], "spec.quota", "this entitlement"))
         tenant = tenant_as_applied(plan.values["tenant_slug"])
         if tenant is not None:
             checks.append((plan, tenant, plan.values["pool_name"], "spec.poolRef.name",
                            f"its tenant {tenant.slug!r}"))
     for plan in tenants:
         tenant = tenant_as_applied(plan.name)
+        if not tenant.quota_is_money:  # its entitlements need not be read: no price to check
+            continue
         for ent in TokenEntitlement.objects.filter(tenant__slug=plan.name).select_related("pool"):
             if ent.name not in in_file:
                 checks.append((plan, tenant, ent.pool.name, "spec.quota", f"tenant {plan.name!r} (entitlement "
@@ -222,28 +234,17 @@ def _apply_pool(plan: Plan, actor: Any, now: dt.datetime) -> tuple[str, tuple[st
     return "updated", fields
 
 
-def _apply_entitlement(plan: Plan, actor: Any, now: dt.datetime) -> tuple[str, tuple[str, ...]]:
-    values = dict(plan.values)
-    tenant = Tenant.objects.get(slug=values.pop("tenant_slug"))
-    values["pool"] = TokenPool.objects.get(name=values.pop("pool_name"))
-    if plan.existing is None:
-        entitlement_create(actor=actor, name=plan.name, tenant=tenant, now=now, **values)
-        return "created", ()
-    fields = changed_paths(_entitlement_values_of(plan.existing), values, ENTITLEMENT_PATHS)
-    if not fields:
-        return "unchanged", ()
-    entitlement_update(actor=actor, entitlement=plan.existing, now=now, **values)
-    return "updated", fields
-
-
 def _warnings(plans: dict[str, list[Plan]]) -> list[EntitlementWarning]:
     """Entitlements left Pending or Degraded: the manifest's own, and those of its pools (a pool it shrank
     degrades entitlements the manifest does not name)."""
-    names = [p.name for p in plans["TokenEntitlement"]]
-    pools = [p.name for p in plans["TokenPool"]]
+    names = {p.name for p in plans["TokenEntitlement"]}
+    pools = {p.name for p in plans["TokenPool"]}
+    # By pool, not by a list of thousands of names: the manifest's entitlements are in their documents' pools.
+    in_pools = pools | {p.values["pool_name"] for p in plans["TokenEntitlement"]}
     troubled = (TokenEntitlement.objects.filter(state__in=(EntitlementState.PENDING, EntitlementState.DEGRADED))
-                .filter(Q(name__in=names) | Q(pool__name__in=pools)).order_by("name"))
-    return [EntitlementWarning(e.name, e.state, e.state_reason) for e in troubled]
+                .filter(pool__name__in=in_pools).select_related("pool").order_by("name"))
+    return [EntitlementWarning(e.name, e.state, e.state_reason) for e in troubled
+            if e.name in names or e.pool.name in pools]
 
 
 class _DryRun(Exception):
@@ -280,18 +281,28 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
     try:
         with transaction.atomic():
             plans = _validate(documents, actor)
-            before = stored_manifests(plans) if compare else {}
+            # The entitlements as validation loaded them (tenant and pool with them), not read a second time.
+            loaded = {("TokenEntitlement", p.name): None if p.existing is None else entitlement_to_manifest(p.existing)
+                      for p in plans["TokenEntitlement"]} if compare else {}
+            before = stored_manifests(plans, loaded) if compare else {}
             actions: dict[int, AppliedDocument] = {}
             for kind, write in (("Tenant", lambda p: apply_tenant(p, actor)),
-                                ("TokenPool", lambda p: _apply_pool(p, actor, now)),
-                                ("TokenEntitlement", lambda p: _apply_entitlement(p, actor, now))):
+                                ("TokenPool", lambda p: _apply_pool(p, actor, now))):
                 for plan in plans[kind]:
                     action, fields = write(plan)
                     actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, action, fields)
+            writer = EntitlementWriter(actor, now, plans["TokenEntitlement"])  # after the tenants and pools
+            for plan in plans["TokenEntitlement"]:
+                action, fields = writer.write(plan)
+                actions[plan.index] = AppliedDocument(plan.index, plan.kind, plan.name, action, fields)
+            writer.finish()
             result.documents = [actions[i] for i in sorted(actions)]
             result.warnings = _warnings(plans)
             if compare:
-                result.diffs = object_diffs(before, stored_manifests(plans))
+                # An entitlement reported unchanged was not written (its binding's state is not in the manifest).
+                same = {("TokenEntitlement", d.name): before[("TokenEntitlement", d.name)] for d in result.documents
+                        if d.kind == "TokenEntitlement" and d.action == "unchanged"}
+                result.diffs = object_diffs(before, stored_manifests(plans, same))
             if dry_run:
                 raise _DryRun(result)
     except _DryRun as rolled_back:
