@@ -53,6 +53,9 @@ class Row:
     list_p50_ms: float
     list_p99_ms: float
     snapshot_s: float
+    # The UI's entitlement list (/entitlements/, a logged-in superuser's page), as the REST list.
+    ui_list_p50_ms: float = 0.0
+    ui_list_p99_ms: float = 0.0
 
 
 def entitlement_doc(i: int, tokens_per_second: int = 10) -> str:
@@ -110,22 +113,30 @@ def _call(command: str, path: Path) -> tuple[float, float, int]:
     return time.perf_counter() - start, time.process_time() - cpu, code
 
 
-def _list_latencies(requests: int) -> list[float]:
+def _list_latencies(requests: int, *, ui: bool = False) -> list[float]:
+    """The REST entitlement list (`ui`: the UI's page) as a superuser: one warm-up, then `requests` timed."""
     from django.contrib.auth import get_user_model
+    from django.test import Client
     from rest_framework.test import APIClient
 
     user = get_user_model().objects.filter(username="bench-admin").first() or \
         get_user_model().objects.create_superuser("bench-admin", password="bench-admin-pass-1")
-    client = APIClient()
-    client.force_authenticate(user)
-    client.get("/api/v1/entitlements/")  # warm-up: the first request builds the URL resolver and serializers
+    client: Client
+    if ui:
+        client, path = Client(), "/entitlements/"
+        client.force_login(user)
+    else:
+        api = APIClient()
+        api.force_authenticate(user)
+        client, path = api, "/api/v1/entitlements/"
+    client.get(path)  # warm-up: the first request builds the URL resolver, serializers and templates
     samples = []
     for _ in range(requests):
         start = time.perf_counter()
-        response = client.get("/api/v1/entitlements/")
+        response = client.get(path)
         samples.append(time.perf_counter() - start)
         if response.status_code != 200:
-            raise RuntimeError(f"entitlement list answered {response.status_code}")
+            raise RuntimeError(f"{path} answered {response.status_code}")
     return samples
 
 
@@ -161,15 +172,18 @@ def measure(n: int, folder: Path, *, degraded: float = 0.0, requests: int = 50) 
     diff_changed_s = timed("diff 1% changed", "diff", changed, 1)
     reapply_changed_s = timed("re-apply 1% changed", "apply", changed, 0)
     samples = _list_latencies(requests)
+    ui_samples = _list_latencies(requests, ui=True)
     start = time.perf_counter()
     snapshot = snapshot_load(config=GatewayConfig.from_settings())
     snapshot_s = time.perf_counter() - start
     if len(snapshot.pools[POOL].entitlements) != n:
         raise RuntimeError("the snapshot lacks entitlements")
-    print(f"  n={n} list p99 {_p(samples, 0.99) * 1000:.1f} ms, snapshot {snapshot_s:.2f} s", file=sys.stderr)
+    print(f"  n={n} list p99 {_p(samples, 0.99) * 1000:.1f} ms, UI list p99 {_p(ui_samples, 0.99) * 1000:.1f} ms, "
+          f"snapshot {snapshot_s:.2f} s", file=sys.stderr)
     return Row(n, n - fit, apply_s[0], reapply_s[0], diff_s[0], diff_changed_s[0], reapply_changed_s[0],
                apply_s[1], reapply_s[1], diff_s[1], diff_changed_s[1], reapply_changed_s[1],
-               round(_p(samples, 0.5) * 1000, 1), round(_p(samples, 0.99) * 1000, 1), round(snapshot_s, 3))
+               round(_p(samples, 0.5) * 1000, 1), round(_p(samples, 0.99) * 1000, 1), round(snapshot_s, 3),
+               round(_p(ui_samples, 0.5) * 1000, 1), round(_p(ui_samples, 0.99) * 1000, 1))
 
 
 def _one(n: int, degraded: float, requests: int) -> None:

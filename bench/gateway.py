@@ -160,17 +160,26 @@ http {{
         yield f"http://127.0.0.1:{port}"
 
 
-def prepare_bench_site(workdir: Path, upstream: str, repo: Path = REPO) -> PreparedSite:
+def prepare_bench_site(workdir: Path, upstream: str, repo: Path = REPO, extra_entitlements: int = 0) -> PreparedSite:
     """A fresh site with one pool on the upstream and one roomy dedicated entitlement (never the limit),
-    served from `repo` (this checkout, or another commit's for a side-by-side run)."""
+    served from `repo` (this checkout, or another commit's for a side-by-side run); with `extra_entitlements`,
+    that many more small ones of another tenant in the same pool (idle: what a large platform's snapshot and
+    state machine hold beside the one that is measured)."""
     env = {"REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory", "PYTHONPATH": str(repo)}
-    manifest = documents(
+    manifests = [documents(
         tiny_pool(MODEL, upstream, slots=100_000, tokens_per_second=1_000_000_000, kv_cache_gib=100_000),
         entitlement("bench", tenant="bench", pool=MODEL, service_class="dedicated", concurrency=50_000,
                     tokens_per_second=100_000_000, kv_cache_gib=1000, slo_target_ms=1000),
-    )
-    return prepare_site(workdir, tenants=["bench"], manifest=manifest, key_for=["bench"], env=env, repo=repo,
-                        database=f"site-{repo.name}.sqlite3")
+    )]
+    for first in range(0, extra_entitlements, 1000):  # files of 1,000: one file is bounded by MANIFEST_MAX_BYTES
+        manifests.append(documents(*[
+            entitlement(f"idle-{i:05d}", tenant="idle", pool=MODEL, service_class="spot", concurrency=1,
+                        tokens_per_second=10, kv_cache_gib=0.001)
+            for i in range(first, min(extra_entitlements, first + 1000))]))
+    suffix = f"-{extra_entitlements}" if extra_entitlements else ""
+    return prepare_site(workdir, tenants=["bench", "idle"] if extra_entitlements else ["bench"],
+                        manifest=manifests, key_for=["bench"], env=env, repo=repo,
+                        database=f"site-{repo.name}{suffix}.sqlite3")
 
 
 def measure_sites(sites: list[tuple[str, PreparedSite]], args: argparse.Namespace,
@@ -499,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the gateway state stores to measure")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of alternation when several servers are measured side by side (median)")
+    parser.add_argument("--extra-entitlements", type=int, default=0, metavar="N",
+                        help="also measure a site whose pool holds N more (idle) entitlements, side by side")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None or shutil.which("nginx") is None:
@@ -518,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.baseline:
                     tree = stack.enter_context(source_tree(args.baseline))
                     sites.append((f" @{tree.name}", prepare_bench_site(workdir, upstream, tree)))
+                if args.extra_entitlements:
+                    sites.append((f" +{args.extra_entitlements} entitlements",
+                                  prepare_bench_site(workdir, upstream, extra_entitlements=args.extra_entitlements)))
                 rows += measure_sites(sites, args, workdir)
             if not args.no_litellm:
                 with litellm_proxy(upstream, workdir) as url:

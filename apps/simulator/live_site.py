@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -34,11 +35,12 @@ def manage(env: dict[str, str], *args: str, repo: Path = REPO) -> str:
 
 
 def prepare_site(
-    workdir: Path, *, tenants: Sequence[str], manifest: str, key_for: Sequence[str], env: dict[str, str] | None = None,
-    repo: Path = REPO, database: str = "site.sqlite3",
+    workdir: Path, *, tenants: Sequence[str], manifest: str | Sequence[str], key_for: Sequence[str],
+    env: dict[str, str] | None = None, repo: Path = REPO, database: str = "site.sqlite3",
 ) -> PreparedSite:
-    """Migrate a new SQLite database in `workdir`, create `tenants` (slugs), apply `manifest` (YAML) and
-    create one API key per entitlement named in `key_for`."""
+    """Migrate a new SQLite database in `workdir`, create `tenants` (slugs), apply `manifest` (YAML; several
+    texts: one file each, applied as one directory, for a set larger than one file may be) and create one API
+    key per entitlement named in `key_for`."""
     site_env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / database}", "LOG_LEVEL": "WARNING",
                 **(env or {})}
     site_env.pop("DJANGO_SETTINGS_MODULE", None)
@@ -50,9 +52,12 @@ def prepare_site(
         f"tenant_create(actor=SYSTEM, name={slug.title()!r}, slug={slug!r})" for slug in tenants
     )
     manage(site_env, "shell", "-c", f"from apps.tenancy.services import tenant_create, SYSTEM; {script}", repo=repo)
-    manifest_file = workdir / "site.yaml"
-    manifest_file.write_text(manifest)
-    manage(site_env, "apply", "-f", str(manifest_file), repo=repo)
+    manifest_path = workdir / f"{Path(database).stem}-manifests"
+    shutil.rmtree(manifest_path, ignore_errors=True)
+    manifest_path.mkdir(parents=True)
+    for index, text in enumerate([manifest] if isinstance(manifest, str) else manifest):
+        (manifest_path / f"{index:05d}.yaml").write_text(text)
+    manage(site_env, "apply", "-f", str(manifest_path), repo=repo)
     keys = {name: manage(site_env, "create_key", "--entitlement", name, repo=repo).strip() for name in key_for}
     return PreparedSite(site_env, keys, workdir, repo)
 

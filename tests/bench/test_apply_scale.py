@@ -17,7 +17,7 @@ def test_the_bench_measures_every_step_of_a_small_manifest(tmp_path: Path) -> No
     assert (row.entitlements, row.degraded) == (50, 5)
     assert all(value > 0 for value in (row.apply_s, row.reapply_unchanged_s, row.diff_unchanged_s,
                                        row.diff_changed_s, row.reapply_changed_s, row.apply_cpu, row.list_p99_ms,
-                                       row.snapshot_s))
+                                       row.snapshot_s, row.ui_list_p99_ms))
     # The 1%-changed manifest was applied: one entitlement in a hundred (here the first) asks for 11 tokens/s.
     assert list(TokenEntitlement.objects.filter(tokens_per_second=11).values_list("name", flat=True)) == ["ent-00000"]
     assert TokenEntitlement.objects.filter(state="Degraded").count() == 5
