@@ -16,12 +16,15 @@ from typing import Any
 
 
 class OtlpSink:
-    """Serve on 127.0.0.1 in a thread; `posts` and `bytes` count what arrived on /v1/traces."""
+    """Serve on 127.0.0.1 in a thread; `posts` and `bytes` count what arrived on /v1/traces, and `spans` the
+    spans in it when `count_spans` (each export decoded: opentelemetry-proto, installed with the exporter)."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, *, count_spans: bool = False) -> None:
         sink = self
         self.posts = 0
         self.bytes = 0
+        self.spans = 0
+        self.count_spans = count_spans
         self.lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
@@ -32,9 +35,11 @@ class OtlpSink:
                     self.send_header("content-length", "0")
                     self.end_headers()
                     return
+                spans = _spans(body) if sink.count_spans else 0
                 with sink.lock:
                     sink.posts += 1
                     sink.bytes += len(body)
+                    sink.spans += spans
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", "0")
@@ -56,14 +61,21 @@ class OtlpSink:
         self.server.server_close()
 
 
+def _spans(body: bytes) -> int:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest.FromString(body)
+    return sum(len(scope.spans) for resource in request.resource_spans for scope in resource.scope_spans)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=4318)
-    sink = OtlpSink(parser.parse_args().port)
+    sink = OtlpSink(parser.parse_args().port, count_spans=True)
     print(f"OTLP sink on {sink.url}/v1/traces", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         sink.server.serve_forever()
-    print(f"{sink.posts} exports, {sink.bytes} bytes")
+    print(f"{sink.posts} exports, {sink.spans} spans, {sink.bytes} bytes")
 
 
 if __name__ == "__main__":
