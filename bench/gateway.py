@@ -369,8 +369,10 @@ def _otel_rows(rows: list[Measurement], args: argparse.Namespace) -> list[str]:
     sink = getattr(args, "otel_sink", None)
     exported = "" if sink is None else (f" The sink received {sink.posts} exports, {sink.spans} spans "
                                         f"({sink.bytes / 1e6:.1f} MB) in the whole run.")
-    return ["", "Tracing on (OTEL_EXPORTER_OTLP_ENDPOINT: a local OTLP/HTTP sink, bench/otlp_sink.py; the SDK's "
-            "defaults: every request sampled, batch processor) against off, this commit, same run, side by side; "
+    sampler = " ".join(f"{name}={os.environ[name]}" for name in ("OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")
+                       if name in os.environ) or "the default sampler (every request)"
+    return ["", "Tracing on (OTEL_EXPORTER_OTLP_ENDPOINT: a local OTLP/HTTP sink, bench/otlp_sink.py; "
+            f"{sampler}; the batch processor's defaults) against off, this commit, same run, side by side; "
             f"traced (off):{exported}", "",
             "| store | load | req/s (off) | req/s ratio | added p50 ms (off) | added p99 ms (off) |",
             "|---|---|---:|---:|---:|---:|", *lines]

@@ -123,8 +123,8 @@ def _client_context(ctx: RequestContext) -> Context:
 class RequestTrace:
     """One request's spans: the request's (kind SERVER, from the moment it came in) and its current step's."""
 
-    __slots__ = ("ctx", "decision", "failed", "failed_step", "input_tokens", "parent", "root", "status",
-                 "step_name", "step_span", "tracer")
+    __slots__ = ("ctx", "decision", "failed", "failed_step", "input_tokens", "parent", "recording", "root",
+                 "status", "step_name", "step_span", "tracer")
 
     def __init__(self, tracer: trace.Tracer, ctx: RequestContext, kind: str) -> None:
         self.tracer = tracer
@@ -138,6 +138,8 @@ class RequestTrace:
                         "gen_ai.operation.name": "chat" if kind == CHAT else "text_completion",
                         "tokenpools.request_id": ctx.request_id})
         self.parent = trace.set_span_in_context(self.root)
+        # Sampled out (OTEL_TRACES_SAMPLER): no step spans at all, only the trace context passed on.
+        self.recording = self.root.is_recording()
         self.status: int | None = None
         self.decision: str | None = None
         self.input_tokens: int | None = None
@@ -150,7 +152,7 @@ class RequestTrace:
     def step(self, name: str | None, kind: SpanKind = SpanKind.INTERNAL) -> None:
         """End the current step (with the exception on its way out, if one is) and begin `name` (None: none)."""
         self._end_step(sys.exc_info()[1])
-        if name is not None:
+        if name is not None and self.recording:
             self.step_name = name
             self.step_span = self.tracer.start_span(name, context=self.parent, kind=kind)
 
@@ -169,7 +171,7 @@ class RequestTrace:
         self.input_tokens = admission.reservation.input_tokens
         self.step(UPSTREAM, SpanKind.CLIENT)
         carrier = dict(headers)
-        PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self.step_span) if self.step_span else None)
+        PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self.step_span) if self.step_span else self.parent)
         return carrier
 
     def relaying(self, response: httpx.Response) -> None:
@@ -199,6 +201,9 @@ class RequestTrace:
         """The request is over (`exc`: how it failed, if it did): end its spans, with what it was and got."""
         self._end_step(exc)
         ctx, root = self.ctx, self.root
+        if not self.recording:
+            root.end()
+            return
         attributes: dict[str, Any] = {}
         entry = ctx.entry
         if entry is not None:

@@ -136,6 +136,19 @@ def test_a_client_traceparent_is_the_request_spans_parent(gateway_factory: Any) 
     assert harness.upstreams[0].received_headers[-1]["traceparent"].split("-")[1] == trace_id
 
 
+def test_a_sampled_out_request_records_nothing_and_still_passes_its_trace_on(
+        gateway_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    harness = gateway_factory()
+    exporter = traced(harness)
+    (response,) = fire(harness, [BODY])
+    assert response.status_code == 200
+    _, trace_id, _, flags = harness.upstreams[0].received_headers[-1]["traceparent"].split("-")
+    assert int(trace_id, 16) != 0 and int(flags, 16) & 1 == 0  # a trace the backend may join, not sampled
+    time.sleep(0.2)
+    assert exporter.get_finished_spans() == ()
+
+
 def test_a_queued_request_says_its_wait_and_a_refused_one_its_reason_with_an_error(gateway_factory: Any,
                                                                                    upstream_factory: Any) -> None:
     upstream, _ = upstream_factory(first_token_delay_s=0.3)
