@@ -463,9 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                     tree = stack.enter_context(source_tree(args.baseline))
                     sites.append((f" @{tree.name}", prepare_bench_site(workdir, upstream, tree), no_otel))
                 if args.otel:
-                    args.otel_sink = sink = OtlpSink(count_spans=True).start()
+                    args.otel_sink = sink = OtlpSink(count_spans=True, cpu=int(LOADGEN_CORE)).start()
                     stack.callback(sink.stop)
-                    # The same site (database) served by a second process, its traces on.
+                    # The same site (database) served by a second process, its traces on; the sink decodes on the
+                    # load generator's core, not the gateway's.
                     sites.append((OTEL_SUFFIX, sites[0][1], {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}))
                 rows += measure_sites(sites, args, workdir)
             if not args.no_litellm:
