@@ -43,6 +43,7 @@ from pathlib import Path
 import httpx
 
 from bench.baseline import source_tree
+from bench.otlp_sink import OtlpSink
 from bench.results import machine_description, save_rows, write_section
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.services import free_port, running_redis, stop_process_group, wait_for_port
@@ -62,6 +63,7 @@ UPSTREAM_CHAT = {
 }
 LITELLM_MASTER_KEY = "sk-bench-" + secrets.token_hex(16)
 SERVER_CORE = "0"
+OTEL_SUFFIX = " +otel"
 LOADGEN_CORE = "1"
 
 
@@ -182,21 +184,24 @@ def prepare_bench_site(workdir: Path, upstream: str, repo: Path = REPO, extra_en
                         database=f"site-{repo.name}{suffix}.sqlite3")
 
 
-def measure_sites(sites: list[tuple[str, PreparedSite]], args: argparse.Namespace,
+def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: argparse.Namespace,
                   workdir: Path) -> list[Measurement]:
-    """Each site with the in-process store, then with Redis; with several sites (this commit and a baseline)
-    their servers run side by side and are measured in alternation (`measure_alternating`)."""
+    """Each site with the in-process store, then with Redis; with several sites (this commit and a baseline,
+    or this commit with tracing on: a site's own environment) their servers run side by side and are measured
+    in alternation (`measure_alternating`)."""
     rows: list[Measurement] = []
     logs = {"on": [True], "off": [False], "both": [True, False]}[args.request_log]
     for store in args.stores:
         with contextlib.ExitStack() as stack:
             targets = []
-            for suffix, site in sites:
-                env: dict[str, str] = {}
+            for suffix, site, site_env in sites:
+                env: dict[str, str] = dict(site_env)
                 if store == "redis":
-                    env = {"REDIS_URL": stack.enter_context(running_redis()), "GATEWAY_STATE_BACKEND": "redis"}
-                for log in logs if not suffix else [True]:  # a baseline commit: as it runs by default
-                    name = f"{store}{'' if log else '-nolog'}-{site.repo.name}"
+                    env |= {"REDIS_URL": stack.enter_context(running_redis()), "GATEWAY_STATE_BACKEND": "redis"}
+                traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
+                for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
+                    name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
+                    name += f"-{site.env['DATABASE_URL'].rsplit('/', 1)[-1]}"
                     url, proc = stack.enter_context(serving(
                         site, env={**env, "GATEWAY_REQUEST_LOG_DAYS": "7" if log else "0"},
                         log_name=f"gateway-{name}.log", cpu_core=SERVER_CORE))
@@ -398,7 +403,39 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         lines.append(f"| {target} | {best:.0f} | {vs_direct} | {vs_litellm} | {ratio_closed} | {ratio_paced} |")
     lines += _baseline_rows(rows, args.rounds)
     lines += _request_log_rows(rows, args.rounds)
+    lines += _otel_rows(rows, args)
     return "\n".join(lines)
+
+
+def _otel_rows(rows: list[Measurement], args: argparse.Namespace) -> list[str]:
+    """This commit with tracing on (every span exported to the local OTLP sink) against itself with it off,
+    measured in the same run: the cost of the traces."""
+    by_key = {(r.target, r.concurrency, r.paced_rate): r for r in rows}
+    direct = {(r.concurrency, r.paced_rate): r for r in rows if r.target == "direct"}
+    lines = []
+    for (target, concurrency, rate), traced in by_key.items():
+        if not target.endswith(OTEL_SUFFIX):
+            continue
+        off, plain = by_key.get((target.removesuffix(OTEL_SUFFIX), concurrency, rate)), direct.get((concurrency, rate))
+        if off is None or plain is None:
+            continue
+        load = f"{concurrency} streams" if rate is None else f"paced {rate:g}/s"
+        add50, off50 = traced.p50_ms - plain.p50_ms, off.p50_ms - plain.p50_ms
+        lines.append(f"| {target.split('(')[1].split(')')[0]} | {load} | {traced.requests_per_s:.0f} "
+                     f"({off.requests_per_s:.0f}) | {traced.requests_per_s / off.requests_per_s:.2f} "
+                     f"| {add50:.2f} ({off50:.2f}) | {traced.p99_ms - plain.p99_ms:.2f} ({off.p99_ms - plain.p99_ms:.2f}) |")
+    if not lines:
+        return []
+    sink = getattr(args, "otel_sink", None)
+    exported = "" if sink is None else (f" The sink received {sink.posts} exports, {sink.spans} spans "
+                                        f"({sink.bytes / 1e6:.1f} MB) in the whole run.")
+    sampler = " ".join(f"{name}={os.environ[name]}" for name in ("OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG")
+                       if name in os.environ) or "the default sampler (every request)"
+    return ["", "Tracing on (OTEL_EXPORTER_OTLP_ENDPOINT: a local OTLP/HTTP sink, bench/otlp_sink.py; "
+            f"{sampler}; the batch processor's defaults) against off, this commit, same run, side by side; "
+            f"traced (off):{exported}", "",
+            "| store | load | req/s (off) | req/s ratio | added p50 ms (off) | added p99 ms (off) |",
+            "|---|---|---:|---:|---:|---:|", *lines]
 
 
 LOG_OFF = ", log off)"
@@ -510,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--extra-entitlements", type=int, default=0, metavar="N",
                         help="also measure a site whose pool holds N more (idle) entitlements, side by side")
+    parser.add_argument("--otel", action="store_true",
+                        help="also measure this commit with tracing on, every span exported over OTLP/HTTP to a "
+                             "local sink (bench/otlp_sink.py), side by side with it off")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None or shutil.which("nginx") is None:
@@ -525,13 +565,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"upstream {upstream}", file=sys.stderr)
             rows += measure("direct", upstream, "unused", args, workdir)
             with contextlib.ExitStack() as stack:
-                sites = [("", prepare_bench_site(workdir, upstream))]
+                no_otel = {"OTEL_SDK_DISABLED": "true"}  # whatever this shell's OTEL_* say: tracing off
+                sites = [("", prepare_bench_site(workdir, upstream), no_otel)]
                 if args.baseline:
                     tree = stack.enter_context(source_tree(args.baseline))
-                    sites.append((f" @{tree.name}", prepare_bench_site(workdir, upstream, tree)))
+                    sites.append((f" @{tree.name}", prepare_bench_site(workdir, upstream, tree), no_otel))
                 if args.extra_entitlements:
                     sites.append((f" +{args.extra_entitlements} entitlements",
-                                  prepare_bench_site(workdir, upstream, extra_entitlements=args.extra_entitlements)))
+                                  prepare_bench_site(workdir, upstream, extra_entitlements=args.extra_entitlements),
+                                  no_otel))
+                if args.otel:
+                    args.otel_sink = sink = OtlpSink(count_spans=True, cpu=int(LOADGEN_CORE)).start()
+                    stack.callback(sink.stop)
+                    # The same site (database) served by a second process, its traces on; the sink decodes on the
+                    # load generator's core, not the gateway's.
+                    sites.append((OTEL_SUFFIX, sites[0][1], {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}))
                 rows += measure_sites(sites, args, workdir)
             if not args.no_litellm:
                 with litellm_proxy(upstream, workdir) as url:

@@ -66,6 +66,7 @@ from apps.gateway.routing import ReplicaSet, admission_saturation
 from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
 from apps.gateway.tokens import TokenCounter
+from apps.gateway.tracing import tracer_from_env
 from apps.gateway.upstream import close_upstream, default_transport, send_upstream, upstream_headers
 from apps.gateway.usage import UsageAccumulator
 
@@ -104,6 +105,8 @@ class Gateway:
         self._synced: dict[str, PoolInfo] = {}
         self._start_lock: asyncio.Lock | None = None
         self._started = False
+        # OpenTelemetry spans of each request when OTEL_* asks for them; None (off) by default.
+        self.tracer = tracer_from_env()
         self.loops.register_gauges()
         register_info_gauges(self)
 
@@ -179,6 +182,8 @@ class Gateway:
             await self.store.close()
         self.snapshots.close()
         self.health.close()
+        if self.tracer is not None:  # the spans still batched are exported (a blocking call)
+            await asyncio.to_thread(self.tracer.shutdown)
         self._started = False
 
     # --- pools --------------------------------------------------------------------------------------
@@ -259,7 +264,10 @@ class Gateway:
         if kind is not None:
             if method != "POST":
                 raise GatewayError(405, "method_not_allowed", f"Use POST on {path}.")
-            await self._completion(ctx, kind)
+            if self.tracer is None:
+                await self._completion(ctx, kind)
+            else:
+                await self.tracer.serve(ctx, kind, self._completion)
             return
         if path.rstrip("/") == "/v1/models":
             if method != "GET":
@@ -300,6 +308,9 @@ class Gateway:
     async def _completion(self, ctx: RequestContext, kind: str) -> None:
         snapshot = await self._snapshot()
         entry = authenticate(ctx, snapshot, time.time())
+        trace = ctx.trace  # its spans, when tracing is on: each step begins where the last ends
+        if trace is not None:
+            trace.step("parse")
         body = await read_body(ctx, self.config.max_body_bytes)  # a client gone meanwhile: ClientGone
         # From here on the client may go away (while its tokens are counted, while it is offered or waits,
         # before the upstream answers, mid-stream): the watcher cancels this task at once, which releases
@@ -310,6 +321,8 @@ class Gateway:
             parsed = parse_request(kind, parse_json(body, max_depth=self.config.max_json_depth),
                                    max_tokens_limit=self.config.max_tokens_limit)
             pool = authorize_model(snapshot, entry, parsed.model)
+            if trace is not None:
+                trace.parsed(parsed)  # and the count tokens step begins
             await self._serve(ctx, entry, parsed, pool)
         except asyncio.CancelledError:
             if ctx.task is None or not (ctx.disconnected or ctx.preempted):
@@ -340,6 +353,9 @@ class Gateway:
 
     async def _decide(self, ctx: RequestContext, entry: KeyEntry, parsed: ParsedRequest, pool: PoolInfo,
                       replicas: ReplicaSet, input_tokens: int) -> None:
+        trace = ctx.trace
+        if trace is not None:
+            trace.step("admit or wait")
         admission = await self.admitter.admit(
             ctx, entry, pool, replicas, input_tokens=input_tokens,
             max_tokens=parsed.max_tokens, max_model_len=self.tokens.max_model_len.get(pool.name),
@@ -355,8 +371,12 @@ class Gateway:
                 assert self.transport is not None
                 headers = upstream_headers(pool, tenant=entry.tenant_slug, service_tier=ctx.service_tier,
                                            slo_ttft_ms=admission.limits.slo_target_ms)
+                if trace is not None:
+                    headers = trace.upstream(admission, headers)  # its traceparent to the backend
                 response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool, parsed,
                                                     admission.decision.max_tokens, headers)
+                if trace is not None:
+                    trace.relaying(response)
                 ending = await relay(ctx, response, parsed, functools.partial(self.accountant.first_token, admission))
             except GatewayError as error:
                 if error.code == UPSTREAM_SHED:  # the inference gateway's refusal counts as a refusal too
@@ -364,7 +384,11 @@ class Gateway:
                 raise
             finally:
                 ctx.finished = True  # a disconnect from here on is the normal end of the exchange
+                if trace is not None:
+                    trace.step("account")
                 await self.accountant.finish(admission)
+                if trace is not None:
+                    trace.step(None)
             await deliver(ctx, ending)
         finally:
             if response is not None:

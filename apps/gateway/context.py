@@ -12,12 +12,15 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apps.gateway.errors import GatewayError
 from apps.gateway.snapshot import KeyEntry
 from apps.gateway.state import RateView
 from apps.policy.quota import QuotaStanding
+
+if TYPE_CHECKING:
+    from apps.gateway.tracing import RequestTrace
 
 JSON_TYPE = (b"content-type", b"application/json")
 Headers = list[tuple[bytes, bytes]]
@@ -79,6 +82,8 @@ class RequestContext:
     # The request's hold is given back and the end of the answer about to go: a disconnect now is the normal
     # end of the exchange.
     finished: bool = False
+    # Its spans when tracing is on (apps.gateway.tracing); None (the default) and the path calls nothing.
+    trace: RequestTrace | None = None
 
     def header(self, name: bytes) -> str | None:
         for key, value in self.scope.get("headers") or ():
