@@ -62,7 +62,8 @@ def test_accuracy_counts_the_argmax_of_answer_rows_and_missing_rows_as_wrong() -
 
 def test_a_few_steps_of_training_write_a_model_the_engine_loads(tmp_path: Path) -> None:
     spec = LongContextSpec(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-                           context=128, batch_size=2, warmup_steps=2, minutes=0.02, corpus_bytes=100_000)
+                           context=128, batch_size=2, warmup_steps=2, minutes=0.02, corpus_bytes=100_000,
+                           min_steps=3)  # 1.2 s of training gave 2 steps on a loaded machine: steps, not time
     report = train(tmp_path, spec, progress=False)
     assert report["steps"] >= 3
     assert report["history"][0]["warmup"] is True
