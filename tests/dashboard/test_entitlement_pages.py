@@ -240,3 +240,22 @@ def test_bad_queue_values_come_back_on_their_field(owner: Any, acme: Any, pool: 
     assert response.status_code == 200
     assert words in " ".join(response.context["form"].errors[field])
     assert not TokenEntitlement.objects.filter(name="acme-new").exists()
+
+
+def test_the_list_shows_a_page_at_a_time_and_keeps_the_state_filter(owner: Any, acme_entitlement: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from apps.dashboard import views
+
+    monkeypatch.setattr(views, "ENTITLEMENTS_PER_PAGE", 2)
+    for index in range(4):  # 5 in all, with acme-chat
+        create_entitlement(owner, acme_entitlement.tenant, acme_entitlement.pool, f"acme-extra-{index}",
+                           service_class="spot", tokens_per_second=1, concurrency=1, kv_cache_gib=1)
+    url = reverse("ui:entitlement-list")
+    pages = [client_for(owner).get(url, {"page": n}).content.decode() for n in (1, 2, 3)]
+    shown = [sum(f"acme-extra-{i}<" in page for i in range(4)) + ("acme-chat<" in page) for page in pages]
+    assert shown == [2, 2, 1], shown
+    assert "Page 1 of 3 (5 entitlements)" in pages[0] and 'page=2">Next' in pages[0]
+    # A page past the end is the last; the state filter stays in the links.
+    assert "Page 3 of 3" in client_for(owner).get(url, {"page": 99}).content.decode()
+    bound = client_for(owner).get(url, {"state": "Bound", "page": 1}).content.decode()
+    assert "state=Bound&amp;page=2" in bound or "state=Bound&page=2" in bound
