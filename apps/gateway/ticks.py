@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -143,10 +143,14 @@ class EwmaResult:
     pool_demand_tps: Mapping[str, float]
 
 
-def tick_ewma(store_call: StoreCall | None = None) -> EwmaResult | None:
+def tick_ewma(store_call: StoreCall | None = None,
+              pools: Mapping[str, Sequence[EntitlementLimits]] | None = None) -> EwmaResult | None:
     """Close every pool's served/demand window: debt and burst of each entitlement (seed 000, (2), (3)).
-    `store_call`: the in-process store's gateway, when it runs this tick (see `with_gateway_store`)."""
-    pools = active_pool_limits()
+    `store_call`: the in-process store's gateway, when it runs this tick (see `with_gateway_store`); `pools`:
+    the Bound entitlements by pool as that gateway's snapshot holds them (else read from the database: every
+    second, that read of 10,000 entitlements alone kept an idle gateway a third of a core busy)."""
+    if pools is None:
+        pools = active_pool_limits()
     if not pools:
         return EwmaResult({}, {})
     try:

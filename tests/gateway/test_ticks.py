@@ -71,6 +71,25 @@ def test_ewma_tick_reaches_the_in_process_state_machine(admin: Any, acme: Any, m
 
 
 @pytest.mark.django_db
+def test_the_in_process_ewma_tick_takes_the_entitlements_from_the_snapshot_not_the_database(
+        admin: Any, acme: Any, memory_control: Any, gateway_loop: tuple[MemoryStateStore, Any]) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    store, loop = gateway_loop
+    make_entitlement(admin, acme, make_pool(admin, name="tiny"), "el", "elastic", tokens_per_second=100)
+    elastic = EntitlementLimits(entitlement_id="el", service_class="elastic", tokens_per_second=100.0)
+    info = PoolInfo("tiny", "m", ("http://x",), 1, 1e12, 0, 4096, entitlements=(elastic,))
+    asyncio.run_coroutine_threadsafe(
+        store.offer(limits=elastic, pool=info, request=AdmissionRequest("e1", 10, 90)), loop).result(30)
+    with CaptureQueriesContext(connection) as queries:
+        result = ticks.tick_ewma(lambda fn: asyncio.run_coroutine_threadsafe(fn(store), loop).result(30),
+                                 {"tiny": [elastic]})
+    assert result is not None and "el" in result.dynamics and "tiny" in memory_control.pool_demand()
+    assert not [q["sql"] for q in queries.captured_queries if "tokenentitlement" in q["sql"]]
+
+
+@pytest.mark.django_db
 def test_ewma_tick_waits_for_the_gateway_to_start(admin: Any, acme: Any, memory_control: Any, settings: Any) -> None:
     settings.GATEWAY_STATE_BACKEND = "memory"
     make_entitlement(admin, acme, make_pool(admin), "el", "elastic")
