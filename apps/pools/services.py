@@ -354,9 +354,11 @@ def replica_remove(*, actor: AnyUser, replica: Replica) -> None:
 # --- entitlements ------------------------------------------------------------------------------------
 
 
-def _check_entitlement(ent: TokenEntitlement) -> None:
+def _check_entitlement(ent: TokenEntitlement, *, exclude: Iterable[str] = (), validate_unique: bool = True) -> None:
+    """The entitlement's field checks and its money quotas' currency. `exclude` and `validate_unique`: what a
+    caller that loaded the answers already (apply, in bulk) leaves out; the binding fields are never checked."""
     try:
-        ent.full_clean(exclude=["state", "state_reason", "state_changed_at"])
+        ent.full_clean(exclude=["state", "state_reason", "state_changed_at", *exclude], validate_unique=validate_unique)
     except ValidationError as exc:
         raise ValidationError(exc.message_dict) from exc
     for owner, field, what in ((ent, "quota_amount", "this entitlement"), (ent.tenant, "pool", "its tenant")):

@@ -15,12 +15,10 @@ import datetime as dt
 from collections.abc import Iterable
 from typing import Any
 
-from django.core.exceptions import ValidationError
-
 from apps.pools.binding import PoolBinding, write_history
 from apps.pools.manifests.reader import ENTITLEMENT_PATHS, Plan, changed_paths
 from apps.pools.models import EntitlementState, EntitlementStateChange, TokenEntitlement, TokenPool
-from apps.pools.services import _lock_pool, money_quota_problem
+from apps.pools.services import _check_entitlement, _lock_pool
 from apps.tenancy.models import Tenant
 from apps.tenancy.permissions import require_owner
 
@@ -53,15 +51,9 @@ def _entitlement_values_of(ent: TokenEntitlement) -> dict[str, Any]:
 
 
 def _check(ent: TokenEntitlement) -> None:
-    """``services._check_entitlement`` without the queries whose answers are loaded."""
-    try:
-        ent.full_clean(exclude=_NOT_CHECKED, validate_unique=False)
-    except ValidationError as exc:
-        raise ValidationError(exc.message_dict) from exc
-    for owner, field, what in ((ent, "quota_amount", "this entitlement"), (ent.tenant, "pool", "its tenant")):
-        problem = money_quota_problem(owner, ent.pool, what)
-        if problem:
-            raise ValidationError({field: [problem]})
+    """``services._check_entitlement`` without the queries whose answers are loaded (tenant and pool exist; the
+    names were looked up in bulk)."""
+    _check_entitlement(ent, exclude=_NOT_CHECKED, validate_unique=False)
 
 
 class EntitlementWriter:
