@@ -147,14 +147,9 @@ class Gateway:
                                      in_flight=self.in_flight, forget=self.accountant.forget)
             self.loops.start()
             self._started = True
-        await self._warm()
-
-    async def _warm(self) -> None:
-        """Put every pool of the snapshot in the state machine now, not on its first request: a first request
-        would otherwise pay the store's connections and scripts and the pool's sync (0.3-0.5 s on Redis)."""
-        snapshot = self.snapshots.current
-        for pool in snapshot.pools.values() if snapshot is not None else ():
-            await self.sync_pool(pool)
+        # Every pool in the state machine now, not on its first request: a first request would otherwise pay the
+        # store's connections and scripts and the pool's sync (0.3-0.5 s on Redis).
+        await self.sync_pools()
 
     def _make_store(self) -> GatewayStateStore:
         if self.config.state_backend == "redis":
@@ -211,6 +206,12 @@ class Gateway:
 
     def saturation(self, pool: str) -> float:
         return admission_saturation(self.replicas.get(pool), self.config.saturation_admission)
+
+    async def sync_pools(self) -> None:
+        """Every pool of the current snapshot in the state machine (at start, and after each new snapshot)."""
+        snapshot = self.snapshots.current
+        for pool in snapshot.pools.values() if snapshot is not None else ():
+            await self.sync_pool(pool)
 
     async def sync_pool(self, pool: PoolInfo) -> None:
         """The pool as this snapshot describes it, in the state machine (capacity, reservations)."""

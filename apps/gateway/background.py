@@ -185,9 +185,8 @@ class BackgroundLoops:
         gateway = self.gateway
         while True:
             try:
-                if await gateway.snapshots.refresh() and gateway.snapshots.current is not None:
-                    for pool in gateway.snapshots.current.pools.values():
-                        await gateway.sync_pool(pool)
+                if await gateway.snapshots.refresh():
+                    await gateway.sync_pools()
             except asyncio.CancelledError:
                 raise
             except Exception:  # keep serving the last good snapshot; the database may come back
