@@ -3,8 +3,9 @@ pools, then entitlements, whatever the documents' order. Nothing is written if a
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -247,12 +248,14 @@ def _warnings(plans: dict[str, list[Plan]]) -> list[EntitlementWarning]:
             if e.name in names or e.pool.name in pools]
 
 
-class _DryRun(Exception):
-    """Raised inside the transaction to roll back a dry run; carries its result out."""
-
-    def __init__(self, result: ApplyResult) -> None:
-        super().__init__("dry run")
-        self.result = result
+@contextlib.contextmanager
+def dry_runnable(dry_run: bool) -> Iterator[None]:
+    """One transaction for the writes; a dry run's is rolled back at its end, its on-commit hooks (the gateway's
+    snapshot reload) with it: the very writes, undone, so that what it reports is what doing it would do."""
+    with transaction.atomic():
+        yield
+        if dry_run:
+            transaction.set_rollback(True)
 
 
 def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime | None = None,
@@ -279,7 +282,7 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
     dry_run = dry_run or compare
     result = ApplyResult(dry_run=dry_run)
     try:
-        with transaction.atomic():
+        with dry_runnable(dry_run):
             plans = _validate(documents, actor)
             # The entitlements as validation loaded them (tenant and pool with them), not read a second time.
             loaded = {("TokenEntitlement", p.name): None if p.existing is None else entitlement_to_manifest(p.existing)
@@ -303,10 +306,6 @@ def manifests_apply(*, actor: Any, documents: list[Any] | str, now: dt.datetime 
                 same = {("TokenEntitlement", d.name): before[("TokenEntitlement", d.name)] for d in result.documents
                         if d.kind == "TokenEntitlement" and d.action == "unchanged"}
                 result.diffs = object_diffs(before, stored_manifests(plans, same))
-            if dry_run:
-                raise _DryRun(result)
-    except _DryRun as rolled_back:
-        return rolled_back.result
     except ValidationError as exc:  # a concurrent writer changed something between validation and write
         raise ManifestError([ManifestIssue(None, "", "", f, m) for f, m in model_errors(exc, {})]) from exc
     except PermissionDenied as exc:

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
 from django.db.models import Model
 
 from apps.audit.context import through
-from apps.pools.manifests.apply import manifests_apply
+from apps.pools.manifests.apply import dry_runnable, manifests_apply
 from apps.pools.manifests.limits import excerpt
 from apps.pools.manifests.reader import (
     API_VERSION,
@@ -55,10 +54,6 @@ class DeleteResult:
     deleted: list[Deleted] = field(default_factory=list)
     not_found: list[tuple[str, str]] = field(default_factory=list)  # (kind, name) in document order
     dry_run: bool = False
-
-
-class _Rollback(Exception):
-    """Raised inside the transaction to roll back a dry run."""
 
 
 def _identities(documents: list[Any]) -> list[tuple[int, str, str]]:
@@ -155,28 +150,23 @@ def manifests_delete(*, actor: AnyUser, documents: list[Any], cascade: bool = Fa
     if not documents:
         raise ManifestError([ManifestIssue(None, "", "", "", "no documents found")])
     result = DeleteResult(dry_run=dry_run)
-    try:
-        with transaction.atomic():
-            targets: dict[str, list[tuple[int, Model]]] = {kind: [] for kind in KINDS}
-            for index, kind, name in _identities(documents):
-                obj = _lookup(actor, kind, name)
-                if obj is None:
-                    result.not_found.append((kind, name))
-                else:
-                    targets[kind].append((index, obj))
-            dependents = _dependents(targets)
-            if dependents and not cascade:
-                raise _refusal(dependents, "the files do not name (--cascade deletes them too)")
-            steps: list[tuple[int | None, str, Model, str]] = []
-            extra = {ent.pk: ent for _k, _n, users in dependents.values() for ent in users}
-            steps += [(None, "TokenEntitlement", ent, "cascade") for ent in extra.values()]
-            for kind in ("TokenEntitlement", "TokenPool", "Tenant"):
-                steps += [(index, kind, obj, "") for index, obj in targets[kind]]
-            result.deleted = _run_deletes(actor, steps)
-            if dry_run:
-                raise _Rollback
-    except _Rollback:
-        pass
+    with dry_runnable(dry_run):
+        targets: dict[str, list[tuple[int, Model]]] = {kind: [] for kind in KINDS}
+        for index, kind, name in _identities(documents):
+            obj = _lookup(actor, kind, name)
+            if obj is None:
+                result.not_found.append((kind, name))
+            else:
+                targets[kind].append((index, obj))
+        dependents = _dependents(targets)
+        if dependents and not cascade:
+            raise _refusal(dependents, "the files do not name (--cascade deletes them too)")
+        steps: list[tuple[int | None, str, Model, str]] = []
+        extra = {ent.pk: ent for _k, _n, users in dependents.values() for ent in users}
+        steps += [(None, "TokenEntitlement", ent, "cascade") for ent in extra.values()]
+        for kind in ("TokenEntitlement", "TokenPool", "Tenant"):
+            steps += [(index, kind, obj, "") for index, obj in targets[kind]]
+        result.deleted = _run_deletes(actor, steps)
     return result
 
 
@@ -209,21 +199,13 @@ def manifests_apply_prune(*, actor: AnyUser, documents: list[Any], tenant_slug: 
     with a selector), all in one transaction; ``dry_run`` does all of it and rolls it back."""
     if not tenant_list(user=actor).filter(slug=tenant_slug).exists() and not _declares_tenant(documents, tenant_slug):
         raise ManifestError([ManifestIssue(None, "", "", "--tenant", f"unknown tenant {excerpt(tenant_slug)}")])
-    outcome: tuple[ApplyResult, list[Deleted]] | None = None
-    try:
-        with transaction.atomic():
-            result = manifests_apply(actor=actor, documents=documents)
-            keep = {doc.name for doc in result.documents if doc.kind == "TokenEntitlement"}
-            pruned = _prune(actor, tenant_slug, keep)
-            result.warnings = _still_troubled(result.warnings)
-            result.dry_run = dry_run
-            outcome = (result, pruned)
-            if dry_run:  # the very writes, rolled back with their on-commit hooks
-                raise _Rollback
-    except _Rollback:
-        pass
-    assert outcome is not None
-    return outcome
+    with dry_runnable(dry_run):
+        result = manifests_apply(actor=actor, documents=documents)
+        keep = {doc.name for doc in result.documents if doc.kind == "TokenEntitlement"}
+        pruned = _prune(actor, tenant_slug, keep)
+        result.warnings = _still_troubled(result.warnings)
+        result.dry_run = dry_run
+    return result, pruned
 
 
 __all__ = ["DeleteResult", "Deleted", "manifests_apply_prune", "manifests_delete", "tenant_delete"]
