@@ -168,7 +168,3 @@ def record_created(objs: Iterable[models.Model]) -> None:
     for obj in objs:
         spec, fields = _fields[type(obj)]
         _write(obj, spec, Action.CREATE, None, _values(obj, fields))
-
-
-def audited_fields(model: type[models.Model]) -> tuple[str, ...]:
-    return _fields[model][1]
