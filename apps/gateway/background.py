@@ -60,6 +60,8 @@ STORE_VIEW_S = 1.0
 # slice that turns over (with 10,000 entitlements each idle one is read every 20 s). Reading all of them every
 # second cost an idle gateway on Redis 10,000 round trips a second (more than half a core).
 STORE_VIEW_IDLE_READS = 500
+# Reads of the in-process store in one turn of the event loop before the view lets requests run.
+STORE_VIEW_READS_PER_TURN = 50
 # (owner: entitlement name or tenant slug, unit) -> (used, reserved, limit)
 QuotaView = dict[tuple[str, str], tuple[float, float, float]]
 
@@ -78,6 +80,8 @@ class BackgroundLoops:
         # (pool, entitlement) -> (debt, burst, priority of a request now), as last read from the store.
         self.store_dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
         self._idle_cursor: dict[str, int] = {}  # pool -> where the next slice of idle entitlements starts
+        self._pool_index: dict[str, tuple[Any, dict[str, EntitlementLimits]]] = {}
+        self._viewed_snapshot: Any = None  # the snapshot the last store view read
         # (entitlement, unit) -> (used, reserved, limit) of the entitlement's own quota in the current window,
         # and (tenant slug, unit) -> the same of a tenant's shared quota: once per tenant, not per entitlement.
         self.store_quotas: QuotaView = {}
@@ -276,17 +280,22 @@ class BackgroundLoops:
         if gateway.store is None or snapshot is None:
             return
         view: dict[tuple[str, ...], float] = {}
-        dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
+        dynamics = self._last_dynamics(snapshot)
         store = gateway.store
         try:
+            reads = 0
             for pool in list(snapshot.pools.values()):
                 for name, count in (await store.in_flight(pool=pool)).items():
                     view[(pool.name, name)] = float(count)
-                for limits in self._entitlements_to_read(pool, view, dynamics):
+                for limits in self._entitlements_to_read(pool, view):
                     usage = await store.entitlement_usage(limits=limits, pool=pool.name)
                     priority = request_priority(limits.traits, limits.slo_target_ms, pool.mean_slo_ms, usage.burst,
                                                 usage.debt, store.config)
                     dynamics[(pool.name, limits.entitlement_id)] = (usage.debt, usage.burst, priority)
+                    reads += 1
+                    if reads % STORE_VIEW_READS_PER_TURN == 0:
+                        # The in-process store answers without awaiting anything: let requests in between.
+                        await asyncio.sleep(0)
             quotas, tenant_quotas = await self._quota_view(snapshot)
         except StateStoreUnavailable:
             return  # keep the last view: the store's own state did not change by being unreachable
@@ -294,27 +303,43 @@ class BackgroundLoops:
         self.store_dynamics = dynamics
         self.store_quotas, self.store_tenant_quotas = quotas, tenant_quotas
 
-    def _entitlements_to_read(self, pool: Any, view: dict[tuple[str, ...], float],
-                              dynamics: dict[tuple[str, ...], tuple[float, float, float]]) -> list[EntitlementLimits]:
-        """The pool's entitlements whose dynamics this view reads: those with requests in flight, those never
-        read, and a turning slice of `STORE_VIEW_IDLE_READS` of the rest; the others keep their last reading
-        (put in `dynamics` here)."""
+    def _last_dynamics(self, snapshot: Any) -> dict[tuple[str, ...], tuple[float, float, float]]:
+        """The last readings, which the entitlements not read this time keep; after a new snapshot only those of
+        entitlements it still holds."""
+        if snapshot is self._viewed_snapshot:
+            return dict(self.store_dynamics)
+        self._viewed_snapshot = snapshot
+        held = {(pool.name, limits.entitlement_id) for pool in snapshot.pools.values() for limits in pool.entitlements}
+        return {key: value for key, value in self.store_dynamics.items() if key in held}
+
+    def _entitlements_to_read(self, pool: Any, view: dict[tuple[str, ...], float]) -> list[EntitlementLimits]:
+        """The pool's entitlements whose dynamics this view reads: all of a pool of up to `STORE_VIEW_IDLE_READS`;
+        of a larger one, a turning slice of that many plus those with requests in flight. The cost stays that
+        of the slice and the busy ones, whatever the pool's size (the others keep their last reading)."""
         entitlements = pool.entitlements
-        if len(entitlements) <= STORE_VIEW_IDLE_READS:
+        size = len(entitlements)
+        if size <= STORE_VIEW_IDLE_READS:
             return list(entitlements)
-        start = self._idle_cursor.get(pool.name, 0) % len(entitlements)
+        start = self._idle_cursor.get(pool.name, 0) % size
         self._idle_cursor[pool.name] = start + STORE_VIEW_IDLE_READS
-        in_slice = {entitlements[(start + offset) % len(entitlements)].entitlement_id
-                    for offset in range(STORE_VIEW_IDLE_READS)}
-        chosen = []
-        for limits in entitlements:
-            key = (pool.name, limits.entitlement_id)
-            last = self.store_dynamics.get(key)
-            if last is None or view.get(key) or limits.entitlement_id in in_slice:
+        chosen = list(entitlements[start:start + STORE_VIEW_IDLE_READS])
+        if start + STORE_VIEW_IDLE_READS > size:
+            chosen += entitlements[:start + STORE_VIEW_IDLE_READS - size]
+        in_slice = {limits.entitlement_id for limits in chosen}
+        by_id = self._index(pool)
+        for (pool_name, name), count in view.items():
+            limits = by_id.get(name)
+            if pool_name == pool.name and count and limits is not None and name not in in_slice:
                 chosen.append(limits)
-            else:
-                dynamics[key] = last
         return chosen
+
+    def _index(self, pool: Any) -> dict[str, EntitlementLimits]:
+        """The pool's entitlements by name, built once per snapshot of the pool."""
+        cached = self._pool_index.get(pool.name)
+        if cached is None or cached[0] is not pool:
+            cached = self._pool_index[pool.name] = (pool, {limits.entitlement_id: limits
+                                                           for limits in pool.entitlements})
+        return cached[1]
 
     async def _quota_view(self, snapshot: Any) -> tuple[QuotaView, QuotaView]:
         """Each quota'd entitlement's own quota and each tenant's shared one, as the store holds them now

@@ -2,7 +2,7 @@
 send the request there, trying another replica when nothing reached the first one.
 
 Routing policy lives in `apps.gateway.routing` (health, outstanding counts); this module sends. The
-transport is shared by every request: keep-alive connections sharded over independent pools.
+transport (`apps.gateway.upstream_http`) is shared by every request: keep-alive connections per backend.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from apps.gateway.errors import GatewayError, unavailable, upstream_shed
 from apps.gateway.parse import CHAT, ParsedRequest, upstream_body
 from apps.gateway.routing import ReplicaSet
 from apps.gateway.snapshot import PoolInfo
+from apps.gateway.upstream_http import UpstreamTransport
 
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
 LLMD = "llm-d"
@@ -31,39 +32,10 @@ SHED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 # An idle upstream connection is dropped before the backend drops it: vLLM's server closes idle keep-alive
 # connections after 5 s, and a request sent on one it is closing fails with a ReadError (a 502 here).
 UPSTREAM_KEEPALIVE_S = 4.0
-# httpcore's connection pool, on every request and every response close, walks all its connections
-# (polling each idle one's socket for has_expired) and, for each pending request, all of them again:
-# with hundreds of requests in flight that walk was the largest cost per request and halved the
-# throughput. Spread over this many independent pools (round robin), each walk stays short. The
-# price: up to this many idle keep-alive connections per backend, and at a low request rate more
-# requests open a new connection (each pool keeps its own).
-TRANSPORT_SHARDS = 64
 
 
-class ShardedTransport(httpx.AsyncBaseTransport):
-    """Round-robin over `shards` independent keep-alive pools (no limit on connections)."""
-
-    def __init__(self, shards: int, *, keepalive_connections: int, keepalive_expiry: float) -> None:
-        shards = max(1, shards)
-        per_shard = max(1, -(-keepalive_connections // shards))
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=per_shard,
-                              keepalive_expiry=keepalive_expiry)
-        ssl_context = httpx.create_ssl_context()  # one for all: loading the CA bundle takes ~20 ms
-        self.shards = [httpx.AsyncHTTPTransport(verify=ssl_context, limits=limits) for _ in range(shards)]
-        self._next = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        shard = self.shards[self._next]
-        self._next = (self._next + 1) % len(self.shards)
-        return await shard.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        for shard in self.shards:
-            await shard.aclose()
-
-
-def default_transport() -> ShardedTransport:
-    return ShardedTransport(TRANSPORT_SHARDS, keepalive_connections=1000, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
+def default_transport() -> UpstreamTransport:
+    return UpstreamTransport(keepalive_connections=1000, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
 
 
 def upstream_headers(pool: PoolInfo, *, tenant: str, service_tier: str, slo_ttft_ms: float) -> Mapping[str, str]:

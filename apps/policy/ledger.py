@@ -62,7 +62,7 @@ from apps.policy.admission import (
 from apps.policy.bucket import TokenBucket
 from apps.policy.errors import PolicyConfigError, require_non_negative
 from apps.policy.ledger_records import RUNNING, WAITING, EntitlementRecord, RequestRecord, check_invariants
-from apps.policy.priority import Dynamics, DynamicsConfig
+from apps.policy.priority import AT_REST, Dynamics, DynamicsConfig
 from apps.policy.queues import (
     FULL,
     full_decision,
@@ -84,7 +84,7 @@ from apps.policy.quota_offer import (
     settlement,
 )
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
-from apps.policy.window import MIN_TICK_WINDOW_S, WindowReading, window_reading
+from apps.policy.window import MIN_TICK_WINDOW_S, RESTING_READING, WindowReading, window_reading
 
 OUTCOME_REJECTED = "rejected"
 OUTCOME_EVICTED = "evicted"
@@ -910,6 +910,12 @@ class AdmissionLedger:
             return None
         readings: dict[str, WindowReading] = {}
         for key, record in self._entitlements.items():
+            if not record.in_flight and record.dynamics == AT_REST and record.window.is_empty():
+                # (2) and (3) from zero over a window with nothing in it give zero again: an idle entitlement
+                # costs the tick this check only (a pool of 10,000 idle ones stalled the gateway's loop every
+                # second). Its window needs no accumulate either: nothing runs or waits to integrate.
+                readings[key] = RESTING_READING
+                continue
             record.accumulate(now)
             if record.limits.tier_of:
                 # A tier has no baseline or share of its own to owe or exceed: its debt and burst stay nil (the

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apps.policy.classes import Dimension, ResourceVector, ServiceClass
+from apps.policy.classes import DIMENSIONS, Dimension, ResourceVector, ServiceClass
 from apps.policy.errors import PolicyConfigError, require_finite, require_non_negative, require_positive
 
 DEFAULT_ALPHA_SLO = 2.0
@@ -74,7 +74,7 @@ def debt_update(previous_debt: float, gap: float, gamma_d: float = DEFAULT_GAMMA
 def burst_delta(served: ResourceVector, baseline: ResourceVector) -> float:
     """Formula (3)'s delta_e; dimensions with a zero baseline contribute nothing."""
     total = 0.0
-    for dimension in Dimension:
+    for dimension in DIMENSIONS:
         base = baseline.get(dimension)
         if base > 0:
             total += max(0.0, served.get(dimension) / base - 1.0)
@@ -91,6 +91,10 @@ class Dynamics:
 
     debt: float = 0.0
     burst: float = 0.0
+
+
+# An entitlement that owes nothing and has not burst: where every EWMA starts and where idle ones stay.
+AT_REST = Dynamics()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +130,7 @@ def update_dynamics(
     if traits.accrues_debt:
         dimension = config.debt_dimension
         if baseline.get(dimension) <= 0:
-            dimension = next((d for d in Dimension if baseline.get(d) > 0), dimension)
+            dimension = next((d for d in DIMENSIONS if baseline.get(d) > 0), dimension)
         gap = service_gap(baseline.get(dimension), demand.get(dimension), served.get(dimension))
         debt = debt_update(previous.debt, gap, config.gamma_d)
     burst = burst_update(previous.burst, burst_delta(served, baseline), config.gamma_b)

@@ -55,6 +55,11 @@ class ServiceWindow:
         self.rejected_tokens = 0.0
         self.rejected_kv = 0.0
 
+    def is_empty(self) -> bool:
+        """Nothing integrated, served or refused since the last reset."""
+        return not (self.slot_seconds or self.kv_seconds or self.waiting_seconds or self.tokens_served
+                    or self.completed or self.rejected_count or self.rejected_tokens or self.rejected_kv)
+
     def accumulate(self, now: float, running: int, kv_running: float, waiting: int) -> None:
         elapsed = now - self.last_change
         if elapsed > 0:
@@ -108,6 +113,10 @@ class WindowReading:
     dynamics: Dynamics
     served: ResourceVector
     demand: ResourceVector
+
+
+# The reading of an entitlement at rest over an empty window: what `window_reading` computes for it.
+RESTING_READING = WindowReading(Dynamics(), ResourceVector(), ResourceVector())
 
 
 def window_reading(

@@ -3,6 +3,7 @@ requests in flight every time, the others keeping their last reading."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -20,15 +21,31 @@ def test_a_large_pool_is_read_a_slice_at_a_time_and_busy_entitlements_every_time
     pool = SimpleNamespace(name="p", entitlements=[
         EntitlementLimits(entitlement_id=f"e{i}", service_class="spot") for i in range(5)])
 
-    def read(busy: set[str]) -> list[str]:
+    def read(busy: set[str]) -> set[str]:
         view = {("p", name): 1.0 for name in busy}
-        kept: dict[tuple[str, ...], tuple[float, float, float]] = {}
-        chosen = [limits.entitlement_id for limits in loops._entitlements_to_read(pool, view, kept)]
-        assert set(chosen) | {key[1] for key in kept} == {f"e{i}" for i in range(5)}  # the rest keep theirs
-        loops.store_dynamics = {**kept, **{("p", name): (0.0, 0.0, 1.0) for name in chosen}}
-        return chosen
+        return {limits.entitlement_id for limits in loops._entitlements_to_read(pool, view)}
 
-    assert read(set()) == ["e0", "e1", "e2", "e3", "e4"]  # never read: all of them
-    assert read(set()) == ["e2", "e3"]
-    assert read({"e0"}) == ["e0", "e4"]  # e4 and (wrapping) e0 are the slice; e0 is busy anyway
-    assert read({"e3"}) == ["e1", "e2", "e3"]
+    assert read(set()) == {"e0", "e1"}
+    assert read(set()) == {"e2", "e3"}
+    assert read({"e2"}) == {"e4", "e0", "e2"}  # e4 and (wrapping) e0 are the slice; e2 is busy
+    assert read({"e3"}) == {"e1", "e2", "e3"}
+
+
+def test_the_store_view_keeps_the_last_reading_of_entitlements_it_does_not_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(background, "STORE_VIEW_IDLE_READS", 2)
+    monkeypatch.setattr(background, "STORE_VIEW_READS_PER_TURN", 1)
+    gateway = Gateway(store=MemoryStateStore())
+    pool = SimpleNamespace(name="p", mean_slo_ms=1000.0, entitlements=[
+        EntitlementLimits(entitlement_id=f"e{i}", service_class="spot") for i in range(5)])
+    snapshot = SimpleNamespace(pools={"p": pool}, keys={})
+    monkeypatch.setattr(gateway.snapshots, "current", snapshot)
+    seen: list[set[str]] = []
+    for _ in range(3):
+        asyncio.run(gateway.loops.store_view())
+        seen.append({key[1] for key in gateway.loops.store_dynamics})
+    assert seen == [{"e0", "e1"}, {"e0", "e1", "e2", "e3"}, {f"e{i}" for i in range(5)}]
+    pool.entitlements = pool.entitlements[1:]  # a new snapshot without e0: its reading goes
+    monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools={"p": pool}, keys={}))
+    asyncio.run(gateway.loops.store_view())
+    assert {key[1] for key in gateway.loops.store_dynamics} == {f"e{i}" for i in range(1, 5)}

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from apps.gateway import upstream
+from apps.gateway.upstream_http import UpstreamTransport
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -69,7 +69,7 @@ class PathTrace:
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if event != "call":
             return
-        if frame.f_code is upstream.ShardedTransport.handle_async_request.__code__:
+        if frame.f_code is UpstreamTransport.handle_async_request.__code__:
             self.left = True
             return
         here = _project_file(frame)

@@ -366,6 +366,31 @@ def test_tick_accrues_debt_for_an_underserved_elastic_and_not_for_spot() -> None
     ledger.check_invariants()
 
 
+def test_tick_of_an_idle_entitlement_is_what_the_formulas_give() -> None:
+    """An entitlement at rest skips the computation (the fast path of big pools); its reading must be the one
+    `window_reading` computes, and one that had traffic must keep decaying (not be taken for idle)."""
+    from apps.policy.window import ServiceWindow, window_reading
+
+    ledger = AdmissionLedger(concurrency_capacity=1, mean_slo_ms=1000)
+    ledger.upsert_entitlement(limits(entitlement_id="idle", concurrency=2), now=0)
+    ledger.upsert_entitlement(limits(entitlement_id="busy", concurrency=3), now=0)
+    ledger.request("busy", request(request_id="b1"), now=0)
+    ledger.request("busy", request(request_id="b2"), now=0)  # waits: the pool is full, so busy is owed
+    first = ledger.tick_readings(1.0)
+    assert first is not None
+    computed = window_reading(ServiceWindow(0.0).figures(), limits(entitlement_id="idle", concurrency=2),
+                              first["idle"].dynamics, 1.0, expected_service_s=ledger.config.expected_service_s,
+                              config=ledger.dynamics_config)
+    assert first["idle"] == computed
+    assert first["busy"].dynamics.debt > 0
+    ledger.release("b1", now=1.2)
+    ledger.release("b2", now=1.4)
+    second = ledger.tick_readings(2.0)
+    assert second is not None
+    assert 0 < second["busy"].dynamics.debt < first["busy"].dynamics.debt  # decaying, not taken for idle
+    assert second["idle"] == first["idle"]
+
+
 def test_retry_jitter_is_seeded() -> None:
     def retry_after(seed: int) -> float:
         ledger = AdmissionLedger(concurrency_capacity=1, rng=random.Random(seed), retry_jitter=0.5)

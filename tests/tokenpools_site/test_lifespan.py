@@ -32,6 +32,8 @@ def test_the_lifespan_starts_and_stops_the_gateway_and_the_ticker(monkeypatch: p
     monkeypatch.setattr(lifespan, "gateway_application", lambda: gateway)
     monkeypatch.setattr(lifespan, "start_in_process_ticker", lambda **_: events.append("ticker start"))
     monkeypatch.setattr(lifespan, "stop_in_process_ticker", lambda: events.append("ticker stop"))
+    monkeypatch.setattr(lifespan, "favour_the_event_loop", lambda: events.append("switch interval"))
+    monkeypatch.setattr(lifespan, "freeze_startup_heap", lambda: events.append("heap frozen"))
 
     async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
         events.append(scope["type"])
@@ -48,7 +50,8 @@ def test_the_lifespan_starts_and_stops_the_gateway_and_the_ticker(monkeypatch: p
 
     asyncio.run(app({"type": "lifespan"}, receive, send))
     asyncio.run(app({"type": "http"}, receive, send))
-    assert events == ["gateway services", "ticker start", "gateway start", "gateway stop", "ticker stop", "http"]
+    assert events == ["gateway services", "ticker start", "gateway start", "switch interval", "heap frozen",
+                      "gateway stop", "ticker stop", "http"]
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
 
 
@@ -68,6 +71,8 @@ def test_a_gateway_that_cannot_start_yet_does_not_stop_the_server(monkeypatch: p
     monkeypatch.setattr(lifespan, "gateway_application", Unready)
     monkeypatch.setattr(lifespan, "start_in_process_ticker", lambda **_: None)
     monkeypatch.setattr(lifespan, "stop_in_process_ticker", lambda: None)
+    monkeypatch.setattr(lifespan, "favour_the_event_loop", lambda: None)
+    monkeypatch.setattr(lifespan, "freeze_startup_heap", lambda: None)
     incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
     sent: list[str] = []
 
