@@ -215,7 +215,7 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         key = (scheme, url.host, url.port or DEFAULT_PORTS[scheme])
         timeout = request.extensions.get("timeout") or {}
         connection = self._idle_connection(key) or await self._connect(key, timeout.get("connect"))
-        body = request.content if hasattr(request, "_content") else b"".join([part async for part in request.stream])
+        body = await request.aread()  # already read for the bytes every caller sends
         try:
             connection.send(_head(request, len(body)) + body)
             while not connection.headers_read:
