@@ -82,7 +82,8 @@ def _layout(title: str, y_title: str, **extra: Any) -> dict[str, Any]:
     layout: dict[str, Any] = {
         "title": {"text": title},
         # The time zone goes in the title, not an axis title the legend would have to clear as well.
-        "xaxis": {"type": "date"},
+        # automargin: the tick labels get room of their own above the legend's (reserved) margin.
+        "xaxis": {"type": "date", "automargin": True},
         "yaxis": {"title": {"text": y_title}, "rangemode": "tozero"},
         "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
         "legend": legend_below(),

@@ -34,12 +34,17 @@ class PoolLoad:
     kv_capacity: float
     healthy_replicas: int
     replicas: int
+    unchecked_replicas: int = 0  # enabled but not scraped yet: neither healthy nor not
     fairness: float | None = None
     fairness_entitlements: int = 0
 
     @staticmethod
     def _percent(used: float, capacity: float) -> float | None:
         return None if capacity <= 0 else round(100.0 * used / capacity, 1)
+
+    @property
+    def unhealthy_replicas(self) -> int:
+        return self.replicas - self.healthy_replicas - self.unchecked_replicas
 
     @property
     def slots_percent(self) -> float | None:
@@ -55,7 +60,7 @@ class PoolLoad:
 
 
 def pool_load(pool: str, samples: Sequence[PoolSample], *, slots: int, tokens_per_s: float, kv_bytes: float,
-              healthy_replicas: int, replicas: int) -> PoolLoad:
+              healthy_replicas: int, replicas: int, unchecked_replicas: int = 0) -> PoolLoad:
     """The pool now, from its (already visibility-cut) samples: in flight and KV bytes of the last sample,
     tokens/s averaged over the last `RATE_SAMPLES`, summed over the entitlements the viewer may see."""
     last = samples[-1] if samples else None
@@ -72,6 +77,7 @@ def pool_load(pool: str, samples: Sequence[PoolSample], *, slots: int, tokens_pe
         kv_capacity=kv_bytes,
         healthy_replicas=healthy_replicas,
         replicas=replicas,
+        unchecked_replicas=unchecked_replicas,
         fairness=fairness,
         fairness_entitlements=count,
     )

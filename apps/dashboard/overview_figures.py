@@ -32,6 +32,8 @@ def _layout(title: str, **extra: Any) -> dict[str, Any]:
     layout: dict[str, Any] = {"title": {"text": title}, "height": FIGURE_HEIGHT_PX, "legend": legend_below(),
                               "margin": {"l": 60, "r": 20, "t": 40, "b": 40}}
     layout.update(extra)
+    # The tick labels get room of their own above the legend's reserved margin.
+    layout["xaxis"] = {**layout.get("xaxis", {}), "automargin": True}
     return layout
 
 
@@ -60,7 +62,7 @@ def figure_pool_load(data: Overview) -> Figure:
                        "marker": {"color": DIMENSION_COLORS[label]}})
     return {"data": traces, "layout": _layout(
         "Pool utilisation (% of capacity)", barmode="group",
-        xaxis={"range": [0, 100], "title": {"text": "% of capacity"}},
+        xaxis={"range": [0, 100], "ticksuffix": " %"},
         yaxis={"automargin": True, "autorange": "reversed"},
         height=max(FIGURE_HEIGHT_PX, 140 + 60 * len(pools)))}
 
@@ -76,7 +78,7 @@ def figure_slo(data: Overview) -> Figure:
          "y": [row.target_ms for row in rows], "marker": {"color": "#000000", "symbol": "line-ew-open",
                                                           "size": 28, "line": {"width": 3}}},
     ], "layout": _layout("p99 TTFT against target, last 15 minutes",
-                         yaxis={"title": {"text": "ms"}, "rangemode": "tozero"}, xaxis={"automargin": True})}
+                         yaxis={"title": {"text": "ms"}, "rangemode": "tozero"})}
 
 
 OVERVIEW_FIGURES = (("refusals", figure_refusals), ("load", figure_pool_load), ("slo", figure_slo))

@@ -81,6 +81,7 @@ def _pool_loads(*, user: Any, scope: OverviewScope, samples: Mapping[str, Sequen
             pool.name, samples_visible(samples.get(pool.name, ()), scope.visibility),
             slots=capacity.slots, tokens_per_s=float(capacity.tokens_per_second), kv_bytes=float(capacity.kv_bytes),
             healthy_replicas=enabled.filter(healthy=True).count(), replicas=enabled.count(),
+            unchecked_replicas=enabled.filter(healthy__isnull=True).count(),
         ))
     return loads
 

@@ -115,11 +115,12 @@ def test_pool_load_sums_what_the_viewer_sees_against_capacity() -> None:
     samples = [sample(float(t), point("a", served=100.0 * t, entitled=100, in_flight=t, kv_bytes=1e9))
                for t in range(12)]
     load = overview.pool_load("p", samples, slots=16, tokens_per_s=2000.0, kv_bytes=8e9, healthy_replicas=1,
-                              replicas=2)
+                              replicas=3, unchecked_replicas=1)
     # Last sample: 11 in flight of 16; tokens/s the mean of the last ten samples (200..1100 -> 650).
     assert (load.in_flight, load.slots_percent) == (11, 68.8)
     assert (load.tokens_per_s, load.tokens_percent) == (650.0, 32.5)
     assert load.kv_percent == 12.5
+    assert load.unhealthy_replicas == 1  # of 3: one healthy, one not scraped yet
     empty = overview.pool_load("p", [], slots=0, tokens_per_s=0.0, kv_bytes=0.0, healthy_replicas=0, replicas=0)
     assert (empty.in_flight, empty.slots_percent, empty.fairness) == (0, None, None)
 
