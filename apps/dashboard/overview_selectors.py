@@ -27,6 +27,9 @@ from apps.tenancy import selectors as tenancy_selectors
 
 SLO_ROWS = 20  # entitlements listed under SLO attainment, the furthest over their target first
 QUOTA_ROWS = 10
+# The p99s are computed from at most this many of the latest served requests (every push reads them): under
+# heavy traffic the last 15 minutes hold more, and the newest 50,000 give the same p99 within a rank or two.
+SLO_MAX_REQUESTS = 50_000
 _HAS_QUOTA = Q(quota_window__gt="") & (Q(quota_tokens__isnull=False) | Q(quota_amount__isnull=False))
 
 
@@ -140,7 +143,8 @@ def _slo(*, entitlements: Any, since: dt.datetime) -> list[overview.SloAttainmen
     rows = (RequestLogRecord.objects
             .filter(arrived_at__gte=since, outcome=RequestOutcome.SERVED, ttft_ms__isnull=False,
                     entitlement__in=list(by_name))
-            .values_list("entitlement", "ttft_ms"))
+            .order_by("-arrived_at")
+            .values_list("entitlement", "ttft_ms")[:SLO_MAX_REQUESTS])
     for name, ttft in rows:
         ttfts.setdefault(name, []).append(float(ttft or 0.0))
     rows_out = [overview.slo_attainment(name, by_name[name].tenant.slug, float(by_name[name].slo_target_ms), values)
