@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 from importlib import import_module
 from types import SimpleNamespace
@@ -27,8 +28,9 @@ from django.conf import settings
 from django.contrib.auth import get_user, get_user_model
 from django.http import Http404
 
-from apps.dashboard import selectors
+from apps.dashboard import overview_selectors, selectors
 from apps.dashboard.figures import live_payload_history, live_payload_update
+from apps.dashboard.overview_figures import overview_payload
 from apps.dashboard.telemetry import (
     PoolSample,
     ensure_local_sampler,
@@ -41,6 +43,8 @@ from apps.dashboard.telemetry import (
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
+# How often the overview socket sends a fresh picture (its reads are a few aggregate queries).
+OVERVIEW_PUSH_S = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,19 @@ def narrowed(before: selectors.LiveAccess, now: selectors.LiveAccess) -> bool:
         return True
     old, new = before.visibility.entitlements, now.visibility.entitlements
     return new is not None and (old is None or not old <= new)
+
+
+def signed_in_user(user_id: int, session_key: str | None) -> Any:
+    """The user, reloaded, while still active and (for a socket that came with a browser session) signed in
+    in that session; else None."""
+    if session_key is not None:
+        # Django's own check of a session: it exists, has not expired, names this user, and its password
+        # hash still matches (a password change signs every session out).
+        engine = import_module(settings.SESSION_ENGINE)
+        signed_in = get_user(SimpleNamespace(session=engine.SessionStore(session_key)))  # type: ignore[arg-type]
+        if signed_in.pk != user_id:
+            return None
+    return get_user_model().objects.filter(pk=user_id, is_active=True).first()
 
 
 class _LiveConsumer(AsyncJsonWebsocketConsumer):
@@ -85,14 +102,7 @@ class _LiveConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(live_payload_history(history, visibility.entitlements, ids=self.access.figure_ids))
 
     def _access_now(self, user_id: int, name: str, session_key: str | None) -> selectors.LiveAccess | None:
-        if session_key is not None:
-            # Django's own check of a session: it exists, has not expired, names this user, and its password
-            # hash still matches (a password change signs every session out).
-            engine = import_module(settings.SESSION_ENGINE)
-            signed_in = get_user(SimpleNamespace(session=engine.SessionStore(session_key)))  # type: ignore[arg-type]
-            if signed_in.pk != user_id:
-                return None
-        user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+        user = signed_in_user(user_id, session_key)
         if user is None:
             return None
         try:
@@ -140,3 +150,56 @@ class PoolLiveConsumer(_LiveConsumer):
 class EntitlementLiveConsumer(_LiveConsumer):
     def resolve(self, user: Any, name: str) -> selectors.LiveAccess:
         return selectors.live_entitlement_access(user=user, name=name)
+
+
+class OverviewConsumer(AsyncJsonWebsocketConsumer):
+    """`/ws/overview/`: the home page's figures for what the user may see, sent on connect and then every
+    `OVERVIEW_PUSH_S`. Each message is computed afresh for the user reloaded from the database, so a removed
+    membership narrows the next message and a deactivated or signed-out user's socket is closed (4403)."""
+
+    pusher: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        await self.accept()
+        ensure_local_sampler()
+        session_key = getattr(self.scope.get("session"), "session_key", None)
+        self.pusher = asyncio.ensure_future(self._push_forever(user.pk, session_key))
+
+    async def _push_forever(self, user_id: int, session_key: str | None) -> None:
+        while True:
+            try:
+                user = await database_sync_to_async(signed_in_user)(user_id, session_key)
+                if user is None:
+                    await self.close(code=CLOSE_FORBIDDEN)
+                    return
+                await self.send_json(await overview_message(user))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the database away for a moment: keep the socket, try again next period
+                logger.exception("overview push failed")
+            await asyncio.sleep(OVERVIEW_PUSH_S)
+
+    async def disconnect(self, code: int) -> None:
+        if self.pusher is not None and self.pusher is not asyncio.current_task():
+            self.pusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.pusher
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        """The stream is one-way; whatever a client sends is ignored."""
+
+
+async def overview_message(user: Any) -> dict[str, Any]:
+    """One overview message for `user`: the scope and the reads in a thread, the history from the loop."""
+    now = dt.datetime.now(dt.UTC)
+    scope = await database_sync_to_async(overview_selectors.overview_scope)(user=user)
+    samples = await overview_selectors.pool_histories(scope.pools)
+
+    def build() -> dict[str, Any]:
+        return overview_payload(overview_selectors.overview_get(user=user, samples=samples, now=now), now)
+
+    return await database_sync_to_async(build)()

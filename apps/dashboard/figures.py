@@ -22,51 +22,20 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from apps.dashboard.colors import PALETTE, entitlement_colors
 from apps.dashboard.telemetry import EntitlementPoint, PoolSample
 
 Figure = dict[str, Any]
 ValueOf = Callable[[PoolSample], float | None]
 
-PALETTE = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
-)
 INCREASE_COLOR = "#2ca02c"
 DECREASE_COLOR = "#d62728"
 POOL_COLOR = "#333333"
 _UID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def _home_slot(name: str) -> int:
-    return zlib.crc32(name.encode()) % len(PALETTE)
-
-
-def entitlement_colors(names: Iterable[str]) -> dict[str, str]:
-    """A colour per entitlement, distinct among `names` while the palette lasts.
-
-    Each name first tries the slot its checksum picks, so it keeps its colour across reloads, updates and
-    other pages (an entitlement's own page draws it alone) without coordination. Ten slots for a pool's
-    handful of names collide often (globex-spot and acme-preemptible both hash to green), so a name whose
-    slot an earlier name (in sorted order) holds takes the next free one. Past ten names colours repeat."""
-    ordered = sorted(set(names))
-    colors: dict[str, str] = {}
-    taken: set[int] = set()
-    for name in ordered:
-        slot = _home_slot(name)
-        if slot not in taken:
-            taken.add(slot)
-            colors[name] = PALETTE[slot]
-    for name in ordered:
-        if name in colors:
-            continue
-        if len(taken) == len(PALETTE):
-            taken.clear()  # the palette is used up: start another round of it
-        slot = _home_slot(name)
-        while slot in taken:
-            slot = (slot + 1) % len(PALETTE)
-        taken.add(slot)
-        colors[name] = PALETTE[slot]
-    return colors
+# Legends sit below the plot, anchored by their top to the bottom of the figure's box, so they never cover
+# an axis (issue 28: 16 entries on the admissions chart grew upwards over it); past this height they scroll.
+LEGEND_MAX_HEIGHT_PX = 80
+FIGURE_HEIGHT_PX = 340
 
 
 @dataclass(frozen=True)
@@ -101,14 +70,24 @@ def _trace(spec: TraceSpec, samples: Sequence[PoolSample]) -> dict[str, Any]:
     return {**spec.template, "uid": trace_uid(spec.key), "meta": spec.key, "x": xs, "y": ys}
 
 
+def legend_below() -> dict[str, Any]:
+    """A horizontal legend in the figure's bottom margin: anchored by its top just under the tick labels
+    (`yref: container` measures from the figure's box, so the plot keeps its size whatever the entry count)
+    and scrolling past `LEGEND_MAX_HEIGHT_PX` instead of growing over the axes."""
+    return {"orientation": "h", "x": 0, "xanchor": "left", "yref": "container", "y": 0, "yanchor": "bottom",
+            "maxheight": LEGEND_MAX_HEIGHT_PX, "font": {"size": 11}}
+
+
 def _layout(title: str, y_title: str, **extra: Any) -> dict[str, Any]:
     layout: dict[str, Any] = {
         "title": {"text": title},
-        "xaxis": {"type": "date", "title": {"text": "time (UTC)"}},
+        # The time zone goes in the title, not an axis title the legend would have to clear as well.
+        # automargin: the tick labels get room of their own above the legend's (reserved) margin.
+        "xaxis": {"type": "date", "automargin": True},
         "yaxis": {"title": {"text": y_title}, "rangemode": "tozero"},
         "margin": {"l": 60, "r": 20, "t": 40, "b": 40},
-        "legend": {"orientation": "h", "y": -0.25},
-        "height": 320,
+        "legend": legend_below(),
+        "height": FIGURE_HEIGHT_PX,
     }
     layout.update(extra)
     return layout
@@ -316,33 +295,33 @@ def _figure(specs: Sequence[TraceSpec], samples: Sequence[PoolSample], layout: d
 def figure_inflight_stacked(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
     """Seed 000, Figure 4: in-flight requests stacked by entitlement against the pool's slots."""
     names = entitlement_names(samples, visible_entitlements)
-    return _figure(_specs_inflight(names), samples, _layout("In-flight requests by entitlement", "requests"))
+    return _figure(_specs_inflight(names), samples, _layout("In-flight requests by entitlement (UTC)", "requests"))
 
 
 def figure_queue_depth(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
     """Seed 000, Figure 2: requests waiting now, in their entitlement's queue or the pool's waiting room (per
     entitlement), with the pool's running and waiting."""
     names = entitlement_names(samples, visible_entitlements)
-    return _figure(_specs_queue(names), samples, _layout("Queue depth", "requests"))
+    return _figure(_specs_queue(names), samples, _layout("Queue depth (UTC)", "requests"))
 
 
 def figure_queue_wait(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
     """Issue 23: how long each entitlement's requests waited before they started or were turned away, p99 and
     mean (dotted) over the last samples (`tokenpools_queue_wait_seconds`)."""
     names = entitlement_names(samples, visible_entitlements)
-    return _figure(_specs_queue_wait(names), samples, _layout("Queue wait", "seconds"))
+    return _figure(_specs_queue_wait(names), samples, _layout("Queue wait (UTC)", "seconds"))
 
 
 def figure_ttft_vs_slo(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
     """Seed 000, Figures 3 and 6a: p99 TTFT per entitlement against its SLO (dashed)."""
     names = entitlement_names(samples, visible_entitlements)
-    return _figure(_specs_ttft(names), samples, _layout("p99 TTFT against SLO", "seconds"))
+    return _figure(_specs_ttft(names), samples, _layout("p99 TTFT against SLO (UTC)", "seconds"))
 
 
 def figure_debt_priority(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
     """Seed 000, Figure 5 panel 2: service debt (left axis) and priority weight (right axis, dotted)."""
     names = entitlement_names(samples, visible_entitlements)
-    layout = _layout("Debt and priority weight", "debt",
+    layout = _layout("Debt and priority weight (UTC)", "debt",
                      yaxis2={"title": {"text": "priority weight"}, "overlaying": "y", "side": "right",
                              "rangemode": "tozero"})
     layout["yaxis"]["rangemode"] = "normal"  # debt goes negative (credit) after a burst
@@ -355,7 +334,7 @@ def figure_admissions_by_reason(
 ) -> Figure:
     """Seed 000, Figure 5 panel 3 and seed 002's submitted/admitted/shed: admits up, denials by reason down."""
     names = entitlement_names(samples, visible_entitlements)
-    layout = _layout("Admitted and denied per second", "requests per sample", barmode="relative", bargap=0.1)
+    layout = _layout("Admitted and denied per second (UTC)", "requests per sample", barmode="relative", bargap=0.1)
     layout["yaxis"]["rangemode"] = "normal"
     return _figure(_specs_admissions(names, _denial_reasons(samples, names)), samples, layout)
 
@@ -363,13 +342,13 @@ def figure_admissions_by_reason(
 def figure_aimd_budget(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
     """Seed 002: the pool budget the AIMD controller tunes, with its increase and decrease actions."""
     del visible_entitlements  # pool-level; running is already None for viewers without pool totals
-    return _figure(_specs_aimd(()), samples, _layout("AIMD budget", "concurrent requests"))
+    return _figure(_specs_aimd(()), samples, _layout("AIMD budget (UTC)", "concurrent requests"))
 
 
 def figure_kv_usage(samples: Sequence[PoolSample], *, visible_entitlements: Iterable[str] | None) -> Figure:
     """KV cache in use per replica (scraped from vLLM) and reserved by the gateway's admissions, in %."""
     del visible_entitlements
-    layout = _layout("KV cache usage", "% of KV cache")
+    layout = _layout("KV cache usage (UTC)", "% of KV cache")
     layout["yaxis"]["range"] = [0, 100]
     return _figure(_specs_kv(_replicas(samples)), samples, layout)
 
@@ -380,23 +359,26 @@ def figure_tokens_vs_baseline(
     """Seed 000, Figure 6b: tokens/s served per entitlement against its entitled baseline (dashed), and what of
     it ran below the entitlement's class (spillover, quota demotion: dotted, one line per class)."""
     names = entitlement_names(samples, visible_entitlements)
-    return _figure(_specs_tokens(names, samples), samples, _layout("Tokens/s served against baseline", "tokens/s"))
+    return _figure(_specs_tokens(names, samples), samples, _layout("Tokens/s served against baseline (UTC)", "tokens/s"))
 
 
 Builder = Callable[..., Figure]
 
-# Page order. The ids name the <div>s of the page and the keys of every payload.
+# Page order. The ids name the <div>s of the page and the keys of every payload. The first four are what an
+# operator reads first (issue 28): who is admitted and refused, who waits, whether TTFT meets the SLO and
+# whether each entitlement gets its entitled tokens/s; the live page puts them above the fold.
 FIGURES: tuple[tuple[str, Builder], ...] = (
-    ("inflight", figure_inflight_stacked),
-    ("queue", figure_queue_depth),
-    ("wait", figure_queue_wait),
-    ("ttft", figure_ttft_vs_slo),
-    ("debt", figure_debt_priority),
     ("admissions", figure_admissions_by_reason),
+    ("queue", figure_queue_depth),
+    ("ttft", figure_ttft_vs_slo),
+    ("tokens", figure_tokens_vs_baseline),
+    ("inflight", figure_inflight_stacked),
+    ("wait", figure_queue_wait),
+    ("debt", figure_debt_priority),
     ("aimd", figure_aimd_budget),
     ("kv", figure_kv_usage),
-    ("tokens", figure_tokens_vs_baseline),
 )
+PRIMARY_FIGURES = ("admissions", "queue", "ttft", "tokens")
 POOL_ONLY_FIGURES = frozenset({"kv"})  # nothing of an entitlement's own in it: left off entitlement pages
 
 

@@ -13,6 +13,8 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from apps.dashboard.colors import entitlement_color
+from apps.dashboard.figures import legend_below
 from apps.gateway.selectors import usage_record_list, usage_spend_summary
 
 DAYS = 31
@@ -23,20 +25,24 @@ def daily_figure(rows: list[dict[str, Any]]) -> dict[str, Any]:
     and demoted tokens are bars of their own), spend per day where priced, else tokens per day."""
     priced = any(row["spend"] for row in rows)
     by_entitlement: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    entitlement_of: dict[str, str] = {}
     for row in rows:
         value = float(row["spend"]["amount"]) if priced and row["spend"] else float(
             row["prompt_tokens"] + row["completion_tokens"])
         tier = row.get("service_tier") or ""
         name = f"{row['tenant']}/{row['entitlement']}" + (f" ({tier})" if tier else "")
         by_entitlement[name][row["period"]] += value
+        entitlement_of[name] = row["entitlement"]
     currencies = sorted({row["spend"]["currency"] for row in rows if row["spend"]})
     unit = "/".join(currencies) if priced else "tokens"
     return {
-        "data": [{"type": "bar", "name": name, "x": sorted(days), "y": [days[d] for d in sorted(days)]}
+        # The entitlement's colour on every page (its bars of each served tier stack in that colour).
+        "data": [{"type": "bar", "name": name, "x": sorted(days), "y": [days[d] for d in sorted(days)],
+                  "marker": {"color": entitlement_color(entitlement_of[name]), "line": {"color": "#ffffff", "width": 1}}}
                  for name, days in sorted(by_entitlement.items())],
         "layout": {"barmode": "stack", "title": {"text": f"Daily {'spend' if priced else 'tokens'} ({unit})"},
                    "xaxis": {"type": "date"}, "yaxis": {"title": {"text": unit}}, "height": 360,
-                   "margin": {"t": 40, "l": 60, "r": 20, "b": 40}},
+                   "margin": {"t": 40, "l": 60, "r": 20, "b": 40}, "legend": legend_below()},
     }
 
 

@@ -9,11 +9,13 @@ form carries the CSRF token, and every state-changing action is POST-only.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+from asgiref.sync import async_to_sync
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -27,7 +29,9 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from apps.dashboard import overview_selectors
 from apps.dashboard import selectors as page_selectors
+from apps.dashboard.figures import PRIMARY_FIGURES
 from apps.dashboard.forms import (
     QUOTA_NAMES,
     ApiKeyForm,
@@ -37,6 +41,7 @@ from apps.dashboard.forms import (
     TenantForm,
     add_service_errors,
 )
+from apps.dashboard.overview_figures import OVERVIEW_FIGURES
 from apps.gateway.quotas import entitlement_quota_status, tenant_quota_status
 from apps.operations import tenants as tenant_operations
 from apps.pools import selectors as pool_selectors
@@ -132,8 +137,15 @@ def static_asset(request: HttpRequest, path: str) -> HttpResponseBase:
 @login_required
 @require_GET
 def home(request: AuthenticatedRequest) -> HttpResponse:
+    """The overview: live figures (first drawn here, then pushed over /ws/overview/) above the counts."""
     overview = page_selectors.home_overview(user=request.user)
-    return render(request, "dashboard/home.html", {"overview": overview})
+    now = dt.datetime.now(dt.UTC)
+    scope = overview_selectors.overview_scope(user=request.user)
+    live = overview_selectors.overview_get(user=request.user, now=now,
+                                           samples=async_to_sync(overview_selectors.pool_histories)(scope.pools))
+    return render(request, "dashboard/home.html", {
+        "overview": overview, "live": live,
+        "overview_figure_ids": [fid for fid, _ in OVERVIEW_FIGURES]})
 
 
 # --- entitlements ------------------------------------------------------------------------------------
@@ -535,10 +547,13 @@ def membership_remove(request: AuthenticatedRequest, slug: str, membership_id: i
 
 def _live_page(request: AuthenticatedRequest, access: page_selectors.LiveAccess, ws_path: str,
                back_url: str) -> HttpResponse:
+    # The four charts an operator reads first go above the fold, the rest under them (issue 28).
+    primary = [fid for fid in access.figure_ids if fid in PRIMARY_FIGURES]
     return render(
         request,
         "dashboard/live.html",
         {"access": access, "ws_path": ws_path, "figure_ids": access.figure_ids, "back_url": back_url,
+         "primary_ids": primary, "more_ids": [fid for fid in access.figure_ids if fid not in primary],
          "pool_totals": access.visibility.pool_totals},
     )
 

@@ -9,8 +9,9 @@ import re
 import plotly.graph_objects as go
 import pytest
 
-from apps.dashboard import figures
+from apps.dashboard import colors, figures
 from apps.dashboard.telemetry import EntitlementPoint, PoolSample, Visibility, sample_visible, samples_visible
+from apps.dashboard.usage import daily_figure
 
 T0 = 1_800_000_000.0
 
@@ -145,20 +146,28 @@ def test_colours_follow_the_name_not_the_position() -> None:
     assert alone["inflight:acme-a"]["line"]["color"] == crowd["inflight:acme-a"]["line"]["color"]
 
 
-def test_entitlements_of_a_pool_get_distinct_colours() -> None:
-    # The demo pool's two names whose checksums pick the same palette slot (both came out green).
+def test_an_entitlement_has_one_colour_on_every_page() -> None:
+    """Issue 28: the pool page, the entitlement page (the name alone) and the usage page draw it alike."""
     crowd = [sample(0, point("globex-spot"), point("acme-preemptible"))]
-    for build in (figures.figure_inflight_stacked, figures.figure_tokens_vs_baseline):
-        fig = traces(build(crowd, visible_entitlements=None))
-        colours = {meta.split(":")[1]: trace["line"]["color"] for meta, trace in fig.items()
-                   if meta.split(":")[1] in {"globex-spot", "acme-preemptible"}}
-        assert colours["globex-spot"] != colours["acme-preemptible"], build.__name__
-    # Up to the palette's size every name gets its own colour, whatever their checksums.
-    names = [f"tenant-{i}" for i in range(len(figures.PALETTE))]
-    assert len(set(figures.entitlement_colors(names).values())) == len(figures.PALETTE)
-    # The first name (sorted) keeps its checksum's colour: the one it has drawn alone on its own page.
-    alone = figures.entitlement_colors(["acme-preemptible"])
-    assert figures.entitlement_colors(["acme-preemptible", "globex-spot"])["acme-preemptible"] == alone["acme-preemptible"]
+    alone = [sample(0, point("acme-preemptible"))]
+    expected = colors.entitlement_color("acme-preemptible")
+    for build in (figures.figure_inflight_stacked, figures.figure_tokens_vs_baseline, figures.figure_ttft_vs_slo):
+        for samples, visible in ((crowd, None), (alone, None), (crowd, ["acme-preemptible"])):
+            fig = traces(build(samples, visible_entitlements=visible))
+            drawn = {t["line"]["color"] for meta, t in fig.items() if meta.endswith(":acme-preemptible")}
+            assert drawn == {expected}, build.__name__
+    usage = daily_figure([{"tenant": "acme", "entitlement": "acme-preemptible", "period": "2026-01-01",
+                           "spend": None, "prompt_tokens": 1, "completion_tokens": 2}])
+    assert usage["data"][0]["marker"]["color"] == expected
+
+
+def test_colour_assignment_is_stable() -> None:
+    # Pinned values: a change of palette or checksum recolours every chart people have learnt to read.
+    assert colors.entitlement_color("acme-guaranteed") == "#1CA71C"
+    assert colors.entitlement_color("globex-spot") == "#B68100"
+    # The demo pool's five entitlements are told apart.
+    demo = ["acme-guaranteed", "acme-elastic", "acme-preemptible", "globex-elastic", "globex-spot"]
+    assert len(set(colors.entitlement_colors(demo).values())) == len(demo)
 
 
 def test_filtering_a_sample_for_a_tenant_user_drops_pool_totals(history: list[PoolSample]) -> None:
