@@ -96,7 +96,7 @@ def pool_pictures(names: set[str], config: GatewayConfig) -> dict[str, PoolPictu
     return out
 
 
-def proposed_pictures(documents: list[Any], *, actor: Any, names: set[str],
+def proposed_pictures(documents: list[Any] | str, *, actor: Any, names: set[str],
                       config: GatewayConfig) -> dict[str, PoolPicture]:
     """The pools as applying `documents` would leave them, read inside the apply's transaction, rolled back.
     Raises `apps.pools.manifests.ManifestError` (apply's errors) when the manifest is wrong."""
@@ -132,7 +132,7 @@ def _replay_all(records: Sequence[Recorded], pictures: dict[str, PoolPicture], l
 
 
 def whatif_report(*, records: Sequence[Recorded], since: dt.datetime, until: dt.datetime,
-                  proposed_documents: list[Any] | None = None, actor: Any = None, pool: str | None = None,
+                  proposed_documents: list[Any] | str | None = None, actor: Any = None, pool: str | None = None,
                   progress: Callable[[int], None] | None = None, oldest: dt.datetime | None = None,
                   tenant_slugs: dict[int, str] | None = None) -> dict[str, Any]:
     """The report: `{"window", "entitlements": {NAME: {recorded, current, proposed}}, "pools", "caveats"}`."""
