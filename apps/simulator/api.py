@@ -23,6 +23,7 @@ from apps.gateway.selectors import request_log_oldest
 from apps.pools.manifests import ManifestError
 from apps.pools.manifests.limits import too_large
 from apps.pools.selectors import pool_get
+from apps.pools.serializers import ApplyErrorsSerializer
 from apps.simulator.replay_site import (
     EmptyWindow,
     ReplayInputError,
@@ -45,6 +46,17 @@ class WhatIfRequestSerializer(serializers.Serializer):
             if "\x00" in value:
                 raise ValidationError({name: ["text may not contain NUL characters (U+0000)"]})
         return attrs
+
+
+class WhatIfReportSerializer(serializers.Serializer):
+    """The report's shape (`apps.simulator.replay_site.whatif_report`), for the schema."""
+
+    window = serializers.DictField()
+    entitlements = serializers.DictField(help_text='{NAME: {"pool", "tenant", "recorded", "current", "proposed"}}: '
+                                                   "each column with offered, admitted, rejected, rejected_by_reason, "
+                                                   "errors, waited, p50_ttft_s, p99_ttft_s, throttle, peak_debt")
+    pools = serializers.DictField(help_text="per pool, the same columns over all its entitlements")
+    caveats = serializers.ListField(child=serializers.CharField())
 
 
 def visible_tenants(user: Any, pool: Any) -> set[str] | None:
@@ -70,13 +82,12 @@ def scoped(report: dict[str, Any], tenants: set[str] | None) -> dict[str, Any]:
 
 class WhatIfView(APIView):
     @extend_schema(request=WhatIfRequestSerializer, responses={
-        200: OpenApiResponse(description='{"window", "entitlements": {NAME: {"recorded", "current", "proposed"}}, '
-                                         '"pools", "caveats"}'),
-        400: OpenApiResponse(description="a bad window (field errors), an empty one, or the manifest's errors "
-                                         '({"errors": [{index, kind, name, field, message}]}, as apply)'),
-        403: OpenApiResponse(description="not an operator or an owner of the pool's tenants, or a manifest "
-                                         "document the user may not apply"),
-        413: OpenApiResponse(description="a manifest larger than MANIFEST_MAX_BYTES"),
+        200: OpenApiResponse(WhatIfReportSerializer, description="per entitlement: recorded, current, proposed"),
+        400: OpenApiResponse(ApplyErrorsSerializer, description="the manifest's errors, as apply answers them (a bad "
+                                                                "or empty window: field errors)"),
+        403: OpenApiResponse(ApplyErrorsSerializer, description="not an operator or an owner of the pool's tenants, "
+                                                                "or a document the user may not apply"),
+        413: OpenApiResponse(ApplyErrorsSerializer, description="a manifest larger than MANIFEST_MAX_BYTES"),
     })
     def post(self, request: Request, name: str) -> Response:
         pool = pool_get(user=request.user, name=name)
