@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers, status
-from rest_framework.exceptions import PermissionDenied, ValidationError
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -60,7 +61,8 @@ class WhatIfReportSerializer(serializers.Serializer):
 
 
 def visible_tenants(user: Any, pool: Any) -> set[str] | None:
-    """The tenant slugs whose rows the user sees (None: all of them, an operator); 403 when none."""
+    """The tenant slugs whose rows the user sees (None: all of them, an operator); PermissionDenied (a 403 for
+    the API and the page alike) when none."""
     if getattr(user, "is_superuser", False):
         return None
     owned = set(Tenant.objects.filter(memberships__user=user, memberships__role=Role.OWNER,
@@ -77,7 +79,22 @@ def scoped(report: dict[str, Any], tenants: set[str] | None) -> dict[str, Any]:
     hidden = [name for name, row in report["entitlements"].items() if row["tenant"] not in tenants]
     report["entitlements"] = {n: row for n, row in report["entitlements"].items() if n not in hidden}
     report["caveats"] = [c for c in report["caveats"] if not any(f"'{name}'" in c for name in hidden)]
+    if "ttft_s" in report:
+        report["ttft_s"] = {n: v for n, v in report["ttft_s"].items() if n not in hidden}
     return report
+
+
+def whatif_run(*, user: Any, pool: Any, tenants: set[str] | None, since: str, until: str | None,
+               manifest: str | None) -> dict[str, Any]:
+    """The pool's what-if report as `user` may see it (`tenants`: `visible_tenants`), every request's TTFT
+    included (`ttft_s`: the page's distributions). Raises ReplayInputError (a bad window; EmptyWindow: nothing
+    recorded in it) or ManifestError (the manifest's errors, as apply raises them for `user`)."""
+    window = parse_window(since, until, now=timezone.now())
+    records = read_records(user=SYSTEM, since=window[0], until=window[1], pool=pool.name)
+    report = whatif_report(records=records, since=window[0], until=window[1], proposed_documents=manifest,
+                           actor=user, pool=pool.name, oldest=request_log_oldest(user=SYSTEM),
+                           tenant_slugs=dict(Tenant.objects.values_list("id", "slug")))
+    return scoped(report, tenants)
 
 
 class WhatIfView(APIView):
@@ -101,18 +118,14 @@ class WhatIfView(APIView):
             return Response({"errors": [{"index": None, "kind": "", "name": "", "field": "manifest",
                                          "message": problem}]}, status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
         try:
-            since, until = parse_window(data["since"], data.get("until"), now=timezone.now())
+            report = whatif_run(user=request.user, pool=pool, tenants=tenants, since=data["since"],
+                                until=data.get("until"), manifest=manifest)
+        except EmptyWindow as exc:
+            raise ValidationError({"since": [str(exc)]}) from exc
         except ReplayInputError as exc:
             field = "until" if str(exc).startswith("--until") else "since"
             raise ValidationError({field: [str(exc).removeprefix(f"--{field}: ")]}) from exc
-        records = read_records(user=SYSTEM, since=since, until=until, pool=pool.name)
-        try:
-            report = whatif_report(records=records, since=since, until=until, proposed_documents=manifest,
-                                   actor=request.user, pool=pool.name, oldest=request_log_oldest(user=SYSTEM),
-                                   tenant_slugs=dict(Tenant.objects.values_list("id", "slug")))
-        except EmptyWindow as exc:
-            raise ValidationError({"since": [str(exc)]}) from exc
         except ManifestError as exc:
             return Response({"errors": [i.as_dict() for i in exc.issues]}, status=403 if exc.forbidden else 400)
         report.pop("ttft_s", None)
-        return Response(scoped(report, tenants))
+        return Response(report)
