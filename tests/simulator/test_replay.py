@@ -81,8 +81,11 @@ def _replay(*args: str) -> dict[str, Any]:
 
 def test_replay_under_current_matches_what_was_recorded(window: TokenEntitlement) -> None:
     report = _replay()
+    assert set(report) == {"window", "entitlements", "pools", "caveats"}
     row = report["entitlements"]["acme-chat"]
     recorded, current = row["recorded"], row["current"]
+    assert set(recorded) == set(current) >= {"admitted", "rejected", "rejected_by_reason", "p99_ttft_s", "waited"}
+    assert recorded["peak_debt"] is None and current["peak_debt"] is not None
     assert recorded["admitted"] == 40 and recorded["rejected"] == 20  # every third refused
     assert current["admitted"] == recorded["admitted"]
     assert current["rejected_by_reason"] == recorded["rejected_by_reason"] == {"concurrency_limit_exceeded": 20}
