@@ -7,6 +7,7 @@ from django.urls import path
 from apps.audit.views import audit_page
 from apps.dashboard import views
 from apps.dashboard.usage import usage_page
+from apps.dashboard.whatif import pool_whatif
 
 app_name = "ui"
 urlpatterns = [
@@ -25,6 +26,7 @@ urlpatterns = [
     path("pools/new/", views.pool_create, name="pool-create"),
     path("pools/<str:name>/", views.pool_detail, name="pool-detail"),
     path("pools/<str:name>/live/", views.pool_live, name="pool-live"),
+    path("pools/<str:name>/whatif/", pool_whatif, name="pool-whatif"),
     path("pools/<str:name>/edit/", views.pool_edit, name="pool-edit"),
     path("pools/<str:name>/delete/", views.pool_delete, name="pool-delete"),
     path("pools/<str:name>/replicas/<int:replica_id>/toggle/", views.replica_toggle, name="replica-toggle"),

@@ -68,6 +68,27 @@ def request_log_list(*, user: Any) -> Any:
     return RequestLogRecord.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant")
 
 
+# A replay's columns of a record, in `apps.simulator.replay.Recorded`'s order.
+REPLAY_COLUMNS = ("arrived_at", "tenant_id", "pool", "entitlement", "prompt_tokens", "max_tokens",
+                  "completion_tokens", "outcome", "reason", "queue_ms", "ttft_ms", "duration_ms")
+
+
+def request_log_window(*, user: Any, since: Any, until: Any, pool: str | None = None) -> Any:
+    """The records of the tenants the user may see that arrived in [since, until), oldest first, as tuples of
+    `REPLAY_COLUMNS` (a replay reads tens of thousands: no model instances built)."""
+    records = request_log_list(user=user).filter(arrived_at__gte=since, arrived_at__lt=until)
+    if pool:
+        records = records.filter(pool=pool)
+    return records.order_by("arrived_at", "id").values_list(*REPLAY_COLUMNS)
+
+
+def request_log_oldest(*, user: Any) -> Any:
+    """When the oldest record the user may see arrived (None: none at all)."""
+    from django.db.models import Min
+
+    return request_log_list(user=user).aggregate(oldest=Min("arrived_at"))["oldest"]
+
+
 def usage_spend_summary(*, user: Any, period: str, filters: Any = None) -> list[dict[str, Any]]:
     """Usage per tenant, entitlement, served tier (`service_tier`: the class that served the tokens, the
     entitlement's own or the lower one they spilled over or were demoted to) and UTC day or month, with its

@@ -267,7 +267,7 @@ class TokenPoolsAdmission:
     def decide(self, request: SimRequest) -> GateDecision:
         now = self.cluster.loop.time
         key = str(request.rid)
-        offered = AdmissionRequest(key, request.prompt_tokens, max_tokens=request.output_tokens)
+        offered = self.offer_of(request)
         result = self.ledger.request(request.tenant, offered, now, quota=self._claim(request.tenant, offered, now))
         decision = result.decision
         for evicted in result.evicted:
@@ -291,6 +291,11 @@ class TokenPoolsAdmission:
         # Non-retryable rejections carry no Retry-After; the client falls back to its own backoff.
         retry = decision.retry_after_s if decision.retryable else None
         return GateDecision("reject", decision.reason, retry_after_s=retry)
+
+    def offer_of(self, request: SimRequest) -> AdmissionRequest:
+        """What the gateway offers the state machine for this request; a scenario's client asks for exactly the
+        tokens it will get (a replay asks for its recorded max_tokens: `apps.simulator.replay`)."""
+        return AdmissionRequest(str(request.rid), request.prompt_tokens, max_tokens=request.output_tokens)
 
     def _claim(self, tenant: str, request: AdmissionRequest, now: float) -> QuotaClaim | None:
         """The request's quota reservation, as the gateway's admission step builds it."""

@@ -1,0 +1,257 @@
+"""What if (issue 26): the gateway's request log turned back into a workload and replayed in virtual time.
+
+Pure: no ORM here (`apps.simulator.replay_site` reads the records and the pools; `manage.py replay` prints).
+Each recorded request arrives at its recorded instant (seconds from the window's start) with its recorded
+prompt tokens and `max_tokens` (what admission sizes it by), and is served as long as it really was: its
+recorded completion tokens (a request nothing served gets its entitlement's median served completion, capped
+at its max_tokens). The pool is the gateway's own picture of it (`apps.gateway.snapshot.PoolInfo`: slots,
+KV bytes, the entitlements' limits), driven by the one admission state machine (`TokenPoolsAdmission`).
+
+Service times: a latency model fitted to the pool's recorded requests, not each record's own times. A record's
+TTFT and duration are what that request took *under the load it met* (its wait in a queue included); a
+replay under another manifest changes that load, and a request refused when recorded has no time at all. So
+the replay fits the simulator's fixed per-token model to the pool's served records (prefill: median of
+(TTFT - wait) / prompt tokens; decode: median of (duration - TTFT) / (completion tokens - 1)) and lets the
+simulated replicas (the pool's enabled replicas x slots, continuous batching) produce every request's times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from apps.policy.admission import AdmissionConfig, AdmissionRequest, EntitlementLimits
+from apps.policy.priority import DynamicsConfig
+from apps.simulator.admission import TokenPoolsAdmission
+from apps.simulator.cluster import Cluster
+from apps.simulator.simulation import SimConfig, Simulation, percentile
+from apps.simulator.workload import TenantSpec
+from backends.virtual_vllm.instance import SimRequest
+
+# Fallback per-token times when a pool has no served record to fit them to (the simulator's defaults).
+DEFAULT_PREFILL_MS = SimConfig.prefill_ms_per_token
+DEFAULT_DECODE_MS = SimConfig.decode_ms_per_token
+# The simulator's names of a wait that ran out, as the gateway records them (`Admitter._turned_away`).
+LOST_AS_REJECTED = {"queue_timeout": "queue_timeout", "expired": "pool_contended"}
+RECORDED_ADMITTED = frozenset({"served", "cancelled", "preempted", "timeout"})
+
+
+class Recorded(NamedTuple):
+    """One request log record, as the replay reads it (`apps.gateway.models.RequestLogRecord`)."""
+
+    arrived: float  # epoch seconds
+    tenant_id: int
+    pool: str
+    entitlement: str
+    prompt_tokens: int
+    max_tokens: int | None
+    completion_tokens: int
+    outcome: str
+    reason: str
+    queue_ms: float
+    ttft_ms: float | None
+    duration_ms: float
+
+
+@dataclass(frozen=True)
+class PoolPicture:
+    """What the replay needs of a pool (read from the gateway's snapshot of the database)."""
+
+    name: str
+    replicas: int
+    slots_per_replica: int
+    kv_capacity: float
+    mean_slo_ms: float
+    entitlements: dict[str, EntitlementLimits]
+    owners: dict[str, str] = field(default_factory=dict)  # entitlement -> tenant slug
+    has_quotas: bool = False
+
+
+@dataclass(frozen=True)
+class Latency:
+    prefill_ms_per_token: float
+    decode_ms_per_token: float
+    fitted_from: int  # served records the fit used (0: the defaults)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": "fitted", "prefill_ms_per_token": round(self.prefill_ms_per_token, 6),
+                "decode_ms_per_token": round(self.decode_ms_per_token, 6), "fitted_from": self.fitted_from}
+
+
+def fit_latency(records: Iterable[Recorded]) -> Latency:
+    """The fixed per-token model that the pool's served records imply (medians: robust to a few outliers)."""
+    prefill: list[float] = []
+    decode: list[float] = []
+    for r in records:
+        if r.outcome != "served" or r.ttft_ms is None:
+            continue
+        if r.prompt_tokens > 0:
+            prefill.append(max(0.0, r.ttft_ms - r.queue_ms) / r.prompt_tokens)
+        if r.completion_tokens > 1:
+            decode.append(max(0.0, r.duration_ms - r.ttft_ms) / (r.completion_tokens - 1))
+    return Latency(statistics.median(prefill) if prefill else DEFAULT_PREFILL_MS,
+                   statistics.median(decode) if decode else DEFAULT_DECODE_MS, max(len(prefill), len(decode)))
+
+
+class _Replayed(SimRequest):
+    """A recorded request in the simulator: its output is what it was served, its offer what it asked."""
+
+    __slots__ = ("max_tokens",)
+
+    def __init__(self, rid: int, tenant: str, prompt: int, output: int, arrival: float, max_tokens: int | None):
+        super().__init__(rid, tenant, prompt, output, arrival)
+        self.max_tokens = max_tokens
+
+
+class ReplayAdmission(TokenPoolsAdmission):
+    """Token-pools admission with the pool's real limits (the snapshot's, not a scenario's) and KV bytes."""
+
+    def __init__(self, pool: PoolPicture, **kwargs: Any) -> None:
+        super().__init__([TenantSpec(name) for name in pool.entitlements], mean_slo_ms=pool.mean_slo_ms, **kwargs)
+        self.limits = dict(pool.entitlements)
+        self.pool = pool
+
+    def bind(self, cluster: Cluster) -> None:
+        super().bind(cluster)
+        self.ledger.set_capacity(self.pool.replicas * self.pool.slots_per_replica, 0.0, self.pool.kv_capacity)
+
+    def on_capacity_change(self) -> None:
+        return None  # the pool's capacity is the snapshot's; a replay has no capacity events
+
+    def offer_of(self, request: SimRequest) -> AdmissionRequest:
+        max_tokens = request.max_tokens if isinstance(request, _Replayed) else request.output_tokens
+        return AdmissionRequest(str(request.rid), request.prompt_tokens, max_tokens=max_tokens)
+
+
+def _output_lengths(records: Sequence[Recorded]) -> dict[str, int]:
+    """Each entitlement's median served completion: the length of a request nothing served."""
+    served: dict[str, list[int]] = {}
+    for r in records:
+        if r.outcome == "served" and r.completion_tokens > 0:
+            served.setdefault(r.entitlement, []).append(r.completion_tokens)
+    return {name: round(statistics.median(values)) for name, values in served.items()}
+
+
+@dataclass
+class PoolRun:
+    figures: dict[str, dict[str, Any]]
+    ttft: dict[str, list[float]]
+    wall_seconds: float
+    requests: int
+    guessed_lengths: int
+
+
+def replay_pool(records: Sequence[Recorded], pool: PoolPicture, latency: Latency, *, start: float,
+                tick_s: float = 1.0, config: AdmissionConfig | None = None, dynamics: DynamicsConfig | None = None,
+                seed: int = 0, progress: Callable[[int], None] | None = None) -> PoolRun:
+    """Replay one pool's records (oldest first) from `start` (epoch seconds) under `pool`'s limits."""
+    sim_config = SimConfig(latency_model="fixed", prefill_ms_per_token=latency.prefill_ms_per_token,
+                           decode_ms_per_token=latency.decode_ms_per_token, num_instances=max(1, pool.replicas),
+                           max_num_seqs=max(1, pool.slots_per_replica), max_batched_tokens=None, tenants=[],
+                           seed=seed, routing="least-loaded")
+    admission = ReplayAdmission(pool, seed=seed, tick_s=tick_s, config=config, dynamics=dynamics)
+    simulation = Simulation(sim_config, admission, progress=progress)
+    if pool.replicas <= 0:  # no replica enabled: nothing may run (the instance is only there to exist)
+        simulation.cluster.instances[0].go_offline()
+    lengths = _output_lengths(records)
+    replayed = sorted((r for r in records if r.entitlement in pool.entitlements), key=lambda r: r.arrived)
+    guessed = 0
+    requests: list[_Replayed] = []
+    for index, r in enumerate(replayed):
+        output = r.completion_tokens
+        if output <= 0 or r.outcome not in RECORDED_ADMITTED:
+            default = pool.entitlements[r.entitlement].default_max_tokens
+            output = min(r.max_tokens or default, lengths.get(r.entitlement, r.max_tokens or default))
+            guessed += 1
+        requests.append(_Replayed(index + 1, r.entitlement, r.prompt_tokens, output, max(0.0, r.arrived - start),
+                                  r.max_tokens))
+    loop = simulation.loop
+
+    def feed(position: int) -> None:
+        # One arrival on the heap at a time: a day of records is not a day of events up front.
+        simulation.cluster.submit(requests[position])
+        if position + 1 < len(requests):
+            loop.at(requests[position + 1].arrival, feed, position + 1)
+
+    if requests:
+        loop.at(requests[0].arrival, feed, 0)
+    started = time.perf_counter()
+    simulation.run()
+    wall = time.perf_counter() - started
+    figures, ttft = _simulated_figures(simulation, admission, pool)
+    return PoolRun(figures, ttft, wall, len(requests), guessed)
+
+
+def _simulated_figures(simulation: Simulation, admission: ReplayAdmission,
+                       pool: PoolPicture) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
+    peak_debt: dict[str, float] = {}
+    for sample in admission.debt_samples:
+        for name, debt in sample.debt.items():
+            peak_debt[name] = max(peak_debt.get(name, debt), debt)
+    out: dict[str, dict[str, Any]] = {}
+    ttfts: dict[str, list[float]] = {}
+    for name in pool.entitlements:
+        tenant = simulation.cluster.stats.tenants.get(name)
+        if tenant is None:
+            out[name] = figures_of(offered=0, rejected_by_reason={}, waited=0, ttft_s=[], peak_debt=peak_debt.get(name))
+            ttfts[name] = []
+            continue
+        refused: Counter[str] = Counter(tenant.denials)
+        for lost, reason in LOST_AS_REJECTED.items():
+            refused[reason] += tenant.lost_by_reason.get(lost, 0)
+        timed_out = sum(tenant.lost_by_reason.get(lost, 0) for lost in LOST_AS_REJECTED)
+        waited = sum(1 for wait in tenant.queue_wait if wait > 1e-6) + timed_out
+        out[name] = figures_of(offered=tenant.submitted, rejected_by_reason=dict(refused), waited=waited,
+                               ttft_s=tenant.ttft, peak_debt=peak_debt.get(name))
+        ttfts[name] = list(tenant.ttft)
+    return out, ttfts
+
+
+def figures_of(*, offered: int, rejected_by_reason: dict[str, int], waited: int, ttft_s: Sequence[float],
+               peak_debt: float | None, errors: int = 0) -> dict[str, Any]:
+    """One column of the report (recorded, current or proposed) for one entitlement or a pool's total."""
+    by_reason = {k: v for k, v in sorted(rejected_by_reason.items()) if v}
+    rejected = sum(by_reason.values())
+    return {
+        "offered": offered, "admitted": offered - rejected - errors, "rejected": rejected,
+        "rejected_by_reason": by_reason, "errors": errors, "waited": waited,
+        "p50_ttft_s": _round(percentile(list(ttft_s), 50)), "p99_ttft_s": _round(percentile(list(ttft_s), 99)),
+        "throttle": round(rejected / offered, 4) if offered else None,
+        "peak_debt": _round(peak_debt),
+    }
+
+
+def recorded_figures(records: Iterable[Recorded]) -> tuple[dict[str, dict[str, Any]], dict[str, list[float]]]:
+    """What happened, per entitlement, in the same shape (debt is not recorded: `peak_debt` is None)."""
+    groups: dict[str, list[Recorded]] = {}
+    for r in records:
+        groups.setdefault(r.entitlement, []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    ttfts: dict[str, list[float]] = {}
+    for name, mine in groups.items():
+        refused = Counter(r.reason or "rejected" for r in mine if r.outcome == "rejected")
+        ttft = [r.ttft_ms / 1000 for r in mine if r.outcome == "served" and r.ttft_ms is not None]
+        out[name] = figures_of(offered=len(mine), rejected_by_reason=dict(refused),
+                               waited=sum(1 for r in mine if r.queue_ms > 0), ttft_s=ttft, peak_debt=None,
+                               errors=sum(1 for r in mine if r.outcome == "error"))
+        ttfts[name] = ttft
+    return out, ttfts
+
+
+def totals(columns: Sequence[dict[str, Any]], ttfts: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """A pool's total of some entitlements' columns (its TTFT percentiles from all their requests)."""
+    by_reason: Counter[str] = Counter()
+    for column in columns:
+        by_reason.update(column["rejected_by_reason"])
+    debts = [c["peak_debt"] for c in columns if c["peak_debt"] is not None]
+    return figures_of(offered=sum(c["offered"] for c in columns), rejected_by_reason=dict(by_reason),
+                      waited=sum(c["waited"] for c in columns), ttft_s=[v for t in ttfts for v in t],
+                      peak_debt=max(debts) if debts else None, errors=sum(c["errors"] for c in columns))
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
