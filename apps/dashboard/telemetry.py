@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import math
@@ -446,7 +447,7 @@ async def collect_pool_sample(
     metrics = getattr(gateway, "metrics", None)
     # Made when the gateway starts: a process that serves no requests has no waiters.
     waiting: Mapping[str, int] = getattr(getattr(gateway, "admitter", None), "waiting", None) or {}
-    store = store if store is not None else getattr(gateway, "store", None)
+    store = store if store is not None else _gateway_store_here(gateway)
     first = name not in state.time
     elapsed = 0.0 if first else now - state.time[name]
     state.time[name] = now
@@ -660,6 +661,10 @@ async def publish_pool_samples(*, now: float | None = None, gateway: Any = None)
     return published
 
 
+# True while a tick samples on an event loop of its own: this process's gateway (if it has one) is not read.
+_ON_A_LOOP_OF_ITS_OWN: contextvars.ContextVar[bool] = contextvars.ContextVar("telemetry_own_loop", default=False)
+
+
 def _bound_loop() -> asyncio.AbstractEventLoop | None:
     """The server's event loop, where the in-process gateway state and the in-memory channel layer live:
     the one the gateway runs on (once started), else the page-driven sampler's; a loop that stopped (a
@@ -670,6 +675,13 @@ def _bound_loop() -> asyncio.AbstractEventLoop | None:
         if loop is not None and loop.is_running():
             return loop
     return None
+
+
+def _gateway_store_here(gateway: Any) -> Any:
+    """The gateway's state store, unless this sample runs on a loop of its own (`publish_tick` without the server's
+    loop): a Redis client's connection pool binds its lock to the loop that first waits on it, and a sample taken
+    on a tick's loop before the gateway had started once left every request of that server answering 503."""
+    return None if _ON_A_LOOP_OF_ITS_OWN.get() else getattr(gateway, "store", None)
 
 
 def publish_tick() -> int:
@@ -689,7 +701,11 @@ def publish_tick() -> int:
         return len(future.result(timeout=10))
     if running is not None:
         raise RuntimeError("publish_tick is blocking; await publish_pool_samples() inside an event loop")
-    return len(asyncio.run(publish_pool_samples()))
+    async def sample_alone() -> list[Any]:
+        _ON_A_LOOP_OF_ITS_OWN.set(True)
+        return await publish_pool_samples()
+
+    return len(asyncio.run(sample_alone()))
 
 
 # --- the page-driven sampler ----------------------------------------------------------------------

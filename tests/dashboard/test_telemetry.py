@@ -403,9 +403,20 @@ def test_publish_tick_runs_from_the_tick_registry_without_a_server_loop(
     history = MemoryHistory()
     telemetry.reset_collector()
     telemetry.reset_history_store(history)
+    store_reads: list[str] = []
+    original = gateway.store.entitlement_usage  # type: ignore[union-attr]
+
+    async def reading(**kwargs: Any) -> Any:
+        store_reads.append(kwargs["limits"].entitlement_id)
+        return await original(**kwargs)
+
+    monkeypatch.setattr(gateway.store, "entitlement_usage", reading)
     try:
         assert run_tick("dashboard-test", spec.resolve()) is Outcome.RAN
         assert [s.pool for s in asyncio.run(history.recent("qwen"))] == ["qwen"]
+        # The gateway's store belongs to its server's loop (a Redis pool binds its lock to the first loop that
+        # waits on it): a sample on the tick's own loop leaves it alone.
+        assert store_reads == []
     finally:
         telemetry.reset_history_store()
         telemetry.reset_collector()
