@@ -108,7 +108,7 @@ compose-venv: $(COMPOSE_VENV)/.installed-stamp
 # deploy/compose.yaml up with podman-compose, many clients through its one port, then `down -v`
 # (tests/deploy/test_compose.py); apart from `make test`, like test-image.
 test-compose: venv compose-venv compose-images
-	TOKENPOOLS_IMAGE=$(IMAGE) PODMAN_COMPOSE=$(COMPOSE_VENV)/bin/podman-compose \
+	TOKENPOOLS_IMAGE=$(IMAGE) PODMAN_COMPOSE=$(COMPOSE_VENV)/bin/podman-compose PODMAN_RUNTIME=$(PODMAN_RUNTIME) \
 		$(PYTEST) -q -s -m image tests/deploy/test_compose.py -p no:cacheprovider
 
 system-deps:

@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "deploy" / "compose.yaml"
 COMPOSE = os.environ.get("PODMAN_COMPOSE", str(REPO / "var" / "compose-venv" / "bin" / "podman-compose"))
 IMAGE = os.environ.get("TOKENPOOLS_IMAGE", "localhost/tokenpools:latest")
+# runc, as for the image test: crun refuses this machine's cgroups v1/v2 hybrid (podman's own default elsewhere).
+RUNTIME = os.environ.get("PODMAN_RUNTIME", "runc")
 SERVICE_IMAGES = ["localhost/tokenpools-postgres:bookworm", "localhost/tokenpools-redis:bookworm",
                   "localhost/tokenpools-nginx:bookworm"]
 POOL, SLOTS = "tiny", 8
@@ -51,12 +53,13 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "TOKENPOOLS_IMAGE": IMAGE, "TOKENPOOLS_PORT": str(self.port),
                     "SECRET_KEY": secrets.token_urlsafe(32), "POSTGRES_PASSWORD": secrets.token_hex(12)}
+        self.base = [COMPOSE, f"--podman-args=--runtime={RUNTIME}", "-f", str(COMPOSE_FILE), "-p", self.project]
 
     def compose(self, *args: str, timeout: float = 300) -> str:
-        command = [COMPOSE, "-f", str(COMPOSE_FILE), "-p", self.project, *args]
+        command = [*self.base, *args]
         result = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
-            raise AssertionError(f"{' '.join(command[3:])} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+            raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                                  f"{result.stderr[-3000:]}")
         return result.stdout
 
@@ -64,7 +67,7 @@ class Stack:
         return f"{self.project}_{service}_1"  # podman-compose's naming
 
     def exec(self, service: str, *args: str, stdin: str | None = None) -> str:
-        result = subprocess.run(["podman", "exec", "-i", self.container(service), *args], input=stdin,
+        result = subprocess.run(["podman", "--runtime", RUNTIME, "exec", "-i", self.container(service), *args], input=stdin,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, (args, result.stdout, result.stderr)
         return result.stdout
@@ -192,6 +195,5 @@ def test_compose_stack_holds_a_guaranteed_concurrency_across_two_gateway_contain
             for service in ("migrate", "gateway-1", "gateway-2", "proxy", "celery-worker", "virtual-vllm"):
                 print(f"\n--- {service} (last lines)\n{stack.logs(service)}")
         with phases("podman-compose down -v"):
-            subprocess.run([COMPOSE, "-f", str(COMPOSE_FILE), "-p", stack.project, "down", "-v", "-t", "10"],
-                           env=stack.env, capture_output=True, timeout=180)
+            subprocess.run([*stack.base, "down", "-v", "-t", "10"], env=stack.env, capture_output=True, timeout=180)
         print(f"\ntest_compose phases ({stack.project}):\n{phases.report()}")
