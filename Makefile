@@ -11,7 +11,7 @@ PYTEST := $(BIN)/python -m pytest
 VLLM_VENV  := var/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: run-venv image-deps image-base image test-image exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-apply bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
+.PHONY: run-venv image-deps image-base image test-image compose-venv compose-images test-compose exp-live bench-security bench-faults conformance tiny-model train-tiny train-recall bench-engine bench-engine-recall venv vllm-venv litellm-venv guidellm-venv bench-gateway bench-scale-out bench-guidellm bench-apply bench-sim sim-exp1 sim-exp2 sim-drr sim-aimd sim-experiments system-deps migrate demo run serve test test-sqlite test-postgres lint bench-policy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,28 @@ image: image-base
 # apart from `make test`, which deselects the `image` marker.
 test-image: venv system-deps image
 	TOKENPOOLS_IMAGE=$(IMAGE) $(PYTEST) -q -s -m image tests/deploy/test_image.py -p no:cacheprovider
+
+# deploy/compose.yaml's PostgreSQL, Redis and nginx images from Debian's packages on the same base
+# (deploy/compose/Containerfile.services; its apt steps reach Debian through the host's network).
+COMPOSE_IMAGES := postgres redis nginx
+compose-images: image
+	$(foreach t,$(COMPOSE_IMAGES),podman build --runtime $(PODMAN_RUNTIME) -f deploy/compose/Containerfile.services \
+		--target $(t) --network host --build-arg BASE=$(IMAGE_BASE) -t localhost/tokenpools-$(t):bookworm deploy/compose &&) true
+
+# podman-compose (PyPI) in its own environment, like the benchmarks' other tools.
+COMPOSE_VENV := var/compose-venv
+$(COMPOSE_VENV)/.installed-stamp:
+	$(PYTHON) -m venv $(COMPOSE_VENV)
+	$(COMPOSE_VENV)/bin/pip install -q "podman-compose==1.6.0"
+	touch $@
+
+compose-venv: $(COMPOSE_VENV)/.installed-stamp
+
+# deploy/compose.yaml up with podman-compose, many clients through its one port, then `down -v`
+# (tests/deploy/test_compose.py); apart from `make test`, like test-image.
+test-compose: venv compose-venv compose-images
+	TOKENPOOLS_IMAGE=$(IMAGE) PODMAN_COMPOSE=$(COMPOSE_VENV)/bin/podman-compose PODMAN_RUNTIME=$(PODMAN_RUNTIME) \
+		$(PYTEST) -q -s -m image tests/deploy/test_compose.py -p no:cacheprovider
 
 system-deps:
 	bash .ci/system-deps.sh

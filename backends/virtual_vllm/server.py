@@ -4,7 +4,9 @@ times). No model, no GPU. Started by `python -m backends.virtual_vllm` or `pytho
 (flags in `backends.virtual_vllm.cli`).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming with `stream_options.include_usage`),
-GET /v1/models, POST /tokenize, GET /health, GET /metrics. Generated text is filler ("tok0 tok1 ..."); every
+GET /v1/models, POST /tokenize, GET /health, GET /metrics, and GET /virtual/concurrency (not vLLM's: the completion
+requests in flight now and the most at once since start, in total and per the body's `user` field, so that a
+test can check a gateway's concurrency limits at the backend itself). Generated text is filler ("tok0 tok1 ..."); every
 request produces exactly `max_tokens` tokens (as with `ignore_eos`). Prompt tokens are words and punctuation.
 """
 
@@ -97,6 +99,11 @@ class VirtualVllm:
         self.success_total = 0
         self.aborted_total = 0
         self.started = int(time.time())
+        # Completion requests between their arrival and their answer's end: now and the most at once.
+        self.in_flight: dict[str, int] = {}
+        self.peak_in_flight: dict[str, int] = {}
+        self.in_flight_total = 0
+        self.peak_in_flight_total = 0
 
     def _ensure_instance(self) -> Instance:
         if self.instance is None:
@@ -145,6 +152,8 @@ class VirtualVllm:
                 await _respond(send, 200, b"", "text/plain")
             elif path == "/v1/models" and method == "GET":
                 await _json(send, 200, self._models())
+            elif path == "/virtual/concurrency" and method == "GET":
+                await _json(send, 200, self.concurrency())
             elif path == "/metrics" and method == "GET":
                 await _respond(send, 200, self.metrics_text().encode(), vllm_wire.METRICS_CONTENT_TYPE)
             elif path in ("/v1/completions", "/v1/chat/completions", vllm_wire.TOKENIZE_PATH) and method == "POST":
@@ -167,6 +176,7 @@ class VirtualVllm:
                 "/health",
                 "/v1/models",
                 "/metrics",
+                "/virtual/concurrency",
                 "/v1/completions",
                 "/v1/chat/completions",
                 vllm_wire.TOKENIZE_PATH,
@@ -193,6 +203,20 @@ class VirtualVllm:
                 }
             ],  # fmt: skip
         }
+
+    def concurrency(self) -> dict[str, Any]:
+        return {"in_flight": self.in_flight_total, "peak": self.peak_in_flight_total,
+                "in_flight_by_user": dict(self.in_flight), "peak_by_user": dict(self.peak_in_flight)}  # fmt: skip
+
+    def _enter(self, user: str) -> None:
+        self.in_flight_total += 1
+        self.peak_in_flight_total = max(self.peak_in_flight_total, self.in_flight_total)
+        self.in_flight[user] = self.in_flight.get(user, 0) + 1
+        self.peak_in_flight[user] = max(self.peak_in_flight.get(user, 0), self.in_flight[user])
+
+    def _leave(self, user: str) -> None:
+        self.in_flight_total -= 1
+        self.in_flight[user] -= 1
 
     def metrics_text(self) -> str:
         instance = self.instance
@@ -259,6 +283,7 @@ class VirtualVllm:
         tracked = _Tracked(request, asyncio.Event())
         self.tracked[request.rid] = tracked
         self.prompt_tokens_total += prompt_tokens
+        self._enter(request.tenant)
         instance.enqueue(request)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -287,6 +312,7 @@ class VirtualVllm:
                 return
             await self._stream(send, receive, tracked, ident, created, model, chat, include_usage, usage)
         finally:
+            self._leave(request.tenant)
             self.tracked.pop(request.rid, None)
             if request.finished_at is None:
                 self.aborted_total += 1

@@ -162,3 +162,30 @@ def test_bad_requests_get_vllm_style_errors(server, path, payload, status):
     assert response.status_code == status
     error = response.json()["error"]  # vLLM's ErrorResponse: the status in `code`, the class name in `type`
     assert error["code"] == status and error["message"] and error["type"].endswith("Error")
+
+
+def test_concurrency_report_counts_requests_in_flight_per_user_and_their_peak(server):
+    """/virtual/concurrency: what a gateway test reads at the backend. A request waiting for a slot is in flight
+    too (the gateway sent it); the report goes back to zero in flight, the peaks stay."""
+    import threading
+    import uuid
+
+    first, second = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
+
+    def request(user: str) -> None:
+        httpx.post(f"{server}/v1/completions", timeout=20,
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 30, "user": user})  # fmt: skip
+
+    threads = [threading.Thread(target=request, args=(user,)) for user in (first, first, first, second)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.15)
+    during = httpx.get(f"{server}/virtual/concurrency").json()
+    for thread in threads:
+        thread.join()
+    after = httpx.get(f"{server}/virtual/concurrency").json()
+    assert during["in_flight_by_user"][first] == 3 and during["in_flight_by_user"][second] == 1
+    assert during["in_flight"] >= 4
+    assert after["in_flight_by_user"][first] == 0 and after["in_flight_by_user"][second] == 0
+    assert after["peak_by_user"][first] == 3 and after["peak_by_user"][second] == 1
+    assert after["peak"] >= 4
