@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator, URLValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -21,6 +21,7 @@ from apps.policy import CLASS_TRAITS, ServiceClass
 from apps.policy.admission import MAX_QUEUE_WAIT_MS
 from apps.policy.classes import SPILLOVER_FROM, SPILLOVER_TO, Baseline, Shrink
 from apps.policy.errors import PolicyConfigError
+from apps.pools.validators import validate_backend_url
 from apps.tenancy.quota import CURRENCY, QuotaFields
 
 # A Kubernetes object name (RFC 1123 subdomain): what an InferenceObjective may be called.
@@ -179,7 +180,7 @@ class TokenPool(models.Model):
 class Replica(models.Model):
     pool = models.ForeignKey(TokenPool, on_delete=models.CASCADE, related_name="replicas")
     # A CharField with an http(s) validator: a backend base URL, not a link for people to click.
-    url = models.CharField(max_length=500, validators=[URLValidator(schemes=["http", "https"])])
+    url = models.CharField(max_length=500, validators=[validate_backend_url])
     enabled = models.BooleanField(default=True)
     position = models.PositiveIntegerField(default=0)
     # The last scrape of the replica's /metrics (workers' scrape tick); null until the first one.

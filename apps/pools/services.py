@@ -33,7 +33,6 @@ from decimal import Decimal
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.core.validators import URLValidator
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -48,6 +47,7 @@ from apps.pools.models import (
     TokenPool,
 )
 from apps.pools.selectors import pool_list_for_tenant
+from apps.pools.validators import validate_backend_url
 from apps.tenancy.actors import AnyUser
 from apps.tenancy.models import Tenant
 from apps.tenancy.permissions import require_owner, require_superuser
@@ -143,7 +143,6 @@ def _clean_replicas(replicas: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
     cleaned: list[dict[str, Any]] = []
     errors: list[str] = []
     seen: set[str] = set()
-    validate_url = URLValidator(schemes=["http", "https"])
     for index, raw in enumerate(replicas):
         if not isinstance(raw, Mapping):
             errors.append(f"replica {index}: expected an object with 'url' (and optional 'enabled')")
@@ -154,7 +153,7 @@ def _clean_replicas(replicas: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
             errors.append(f"replica {index}: 'url' is required")
             continue
         try:
-            validate_url(url)
+            validate_backend_url(url)
         except ValidationError:
             errors.append(f"replica {index}: {url!r} is not an http(s) URL")
             continue
