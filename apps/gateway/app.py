@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import time
@@ -67,7 +68,14 @@ from apps.gateway.snapshot import KeyEntry, PoolInfo, Snapshot, SnapshotCache
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable, rate_view
 from apps.gateway.tokens import TokenCounter
 from apps.gateway.tracing import tracer_from_env
-from apps.gateway.upstream import close_upstream, default_transport, send_upstream, upstream_headers
+from apps.gateway.upstream import (
+    close_upstream,
+    default_transport,
+    send_upstream,
+    upstream_headers,
+    upstream_path,
+)
+from apps.gateway.upstream_http import UpstreamTransport
 from apps.gateway.usage import UsageAccumulator
 
 logger = logging.getLogger(__name__)
@@ -82,7 +90,7 @@ class Gateway:
         config: GatewayConfig | None = None,
         snapshots: SnapshotCache | None = None,
         store: GatewayStateStore | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: UpstreamTransport | None = None,
         control: Any = None,
     ) -> None:
         self.config = config or GatewayConfig.from_settings()
@@ -94,6 +102,9 @@ class Gateway:
         # Every request decided, written off the path (GATEWAY_REQUEST_LOG_DAYS=0: none, and no cost).
         self.request_log = RequestLog() if self.config.request_log_days > 0 else None
         self.in_flight = InFlight()
+        # Request ids: this gateway's random 64-bit prefix and a counter. Unique across processes and restarts
+        # as uuid4s are (a shared store keys reservations by them), at a tenth of the cost of one per request.
+        self._request_ids = map(f"req_{uuid.uuid4().hex[:16]}{{:012x}}".format, itertools.count())
         # Each pool's dispatch budget controller (AIMD); the budget itself is a check of the state machine.
         self.budgets: dict[str, PoolBudget] = {}
         self.replicas: dict[str, ReplicaSet] = {}
@@ -230,7 +241,7 @@ class Gateway:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # the site's lifespan (tokenpools_site.lifespan) starts and stops it
             return
-        ctx = RequestContext(scope, receive, send, "req_" + uuid.uuid4().hex)
+        ctx = RequestContext(scope, receive, send, next(self._request_ids))
         try:
             if ctx.scope["path"] in HEALTH_PATHS:  # before the start: /healthz touches nothing, /readyz says it
                 await self.health.serve(ctx)
@@ -377,7 +388,7 @@ class Gateway:
                 response, url = await send_upstream(ctx, self.transport, self._timeout, replicas, pool, parsed,
                                                     admission.decision.max_tokens, headers)
                 if trace is not None:
-                    trace.relaying(response)
+                    trace.relaying(response, url + upstream_path(parsed))
                 ending = await relay(ctx, response, parsed, functools.partial(self.accountant.first_token, admission))
             except GatewayError as error:
                 if error.code == UPSTREAM_SHED:  # the inference gateway's refusal counts as a refusal too

@@ -9,34 +9,39 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import Count, Max, Q
+from django.db import connection
 
 from apps.pools.models import Replica, TokenEntitlement, TokenPool
 from apps.tenancy.models import ApiKey, Tenant
 
 
 def gateway_change_marker() -> tuple[Any, ...]:
-    """A value that moves whenever anything the snapshot holds changes (six aggregate queries).
+    """A value that moves whenever anything the snapshot holds changes: one statement of scalar subqueries.
 
     Counts catch deletions, max ids catch inserts, timestamps catch edits; a replica toggled off
-    while another is toggled on would keep the counts, so the enabled ids are summed as well.
+    while another is toggled on would keep the counts, so the enabled ids are summed as well. One raw statement
+    (polled twice a second by every gateway process): the six ORM aggregates it replaces cost ~5 ms of Python
+    each poll, held against the server's requests (the interpreter's lock).
     """
-    keys = ApiKey.objects.aggregate(
-        n=Count("id"), top=Max("id"), revoked=Count("revoked_at"), last_revoked=Max("revoked_at"),
-        last_expiry=Max("expires_at"),
-    )
-    ents = TokenEntitlement.objects.aggregate(
-        n=Count("id"), top=Max("id"), updated=Max("updated_at"), changed=Max("state_changed_at")
-    )
-    pools = TokenPool.objects.aggregate(n=Count("id"), top=Max("id"), updated=Max("updated_at"))
-    tenants = Tenant.objects.aggregate(n=Count("id"), updated=Max("updated_at"))
-    replicas = Replica.objects.aggregate(
-        n=Count("id"), top=Max("id"), enabled=Count("id", filter=Q(enabled=True))
-    )
-    enabled_ids = sum(Replica.objects.filter(enabled=True).values_list("id", flat=True))
-    return tuple(keys.values()) + tuple(ents.values()) + tuple(pools.values()) + tuple(replicas.values()) + (
-        enabled_ids,
-    ) + tuple(tenants.values())
+    with connection.cursor() as cursor:
+        cursor.execute(_marker_sql())
+        return tuple(cursor.fetchone())
+
+
+def _marker_sql() -> str:
+    quote = connection.ops.quote_name
+    parts = []
+    for model, expressions in (
+        (ApiKey, ("COUNT(*)", "MAX(id)", "COUNT(revoked_at)", "MAX(revoked_at)", "MAX(expires_at)")),
+        (TokenEntitlement, ("COUNT(*)", "MAX(id)", "MAX(updated_at)", "MAX(state_changed_at)")),
+        (TokenPool, ("COUNT(*)", "MAX(id)", "MAX(updated_at)")),
+        (Replica, ("COUNT(*)", "MAX(id)", "SUM(CASE WHEN enabled THEN 1 ELSE 0 END)",
+                   "SUM(CASE WHEN enabled THEN id ELSE 0 END)")),
+        (Tenant, ("COUNT(*)", "MAX(updated_at)")),
+    ):
+        table = quote(model._meta.db_table)
+        parts += [f"(SELECT {expression} FROM {table})" for expression in expressions]
+    return "SELECT " + ", ".join(parts)
 
 
 def gateway_active_keys() -> list[ApiKey]:

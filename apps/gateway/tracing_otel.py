@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import httpx
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -29,8 +30,6 @@ from apps.gateway.parse import CHAT
 from apps.gateway.state import WAITING
 
 if TYPE_CHECKING:
-    import httpx
-
     from apps.gateway.admission import Admission
     from apps.gateway.context import RequestContext
     from apps.gateway.parse import ParsedRequest
@@ -174,11 +173,11 @@ class RequestTrace:
         PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self.step_span) if self.step_span else self.parent)
         return carrier
 
-    def relaying(self, response: httpx.Response) -> None:
-        """The backend answered (status and headers): the relay step begins."""
+    def relaying(self, response: httpx.Response, url_full: str) -> None:
+        """The backend answered (status and headers) from `url_full`: the relay step begins."""
         span = self.step_span
         if span is not None:
-            url = response.request.url
+            url = httpx.URL(url_full)
             span.set_attributes({"http.request.method": "POST", "url.full": str(url), "server.address": url.host,
                                  "server.port": url.port or (443 if url.scheme == "https" else 80),
                                  "http.response.status_code": response.status_code})

@@ -62,7 +62,11 @@ def shed(pool: PoolInfo, response: httpx.Response) -> GatewayError | None:
     return upstream_shed(reason or f"HTTP {response.status_code}", retry_after_s=retry_after_s)
 
 
-async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport, timeout: dict[str, float | None],
+def upstream_path(parsed: ParsedRequest) -> str:
+    return "/v1/chat/completions" if parsed.kind == CHAT else "/v1/completions"
+
+
+async def send_upstream(ctx: RequestContext, transport: UpstreamTransport, timeout: dict[str, float | None],
                         replicas: ReplicaSet, pool: PoolInfo, parsed: ParsedRequest, max_tokens: int,
                         headers: Mapping[str, str] = UPSTREAM_HEADERS) -> tuple[httpx.Response, str]:
     """Send the request to a replica; returns the response (headers read, body not) and the replica's URL,
@@ -70,7 +74,7 @@ async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport
     request (`shed`) is closed here and raised as its 429."""
     pool_name = pool.name
     body = upstream_body(parsed, model=pool.model_name, max_tokens=max_tokens)
-    path = "/v1/chat/completions" if parsed.kind == CHAT else "/v1/completions"
+    path = upstream_path(parsed)
     tried: set[str] = set()
     resent = False
     while True:
@@ -84,10 +88,7 @@ async def send_upstream(ctx: RequestContext, transport: httpx.AsyncBaseTransport
         try:
             # Straight to the shared transport: the client's cookie, redirect, auth and hook handling cost
             # ~0.3 ms a request and none of it applies to a backend call.
-            request = httpx.Request("POST", url + path, content=body, headers=headers,
-                                    extensions={"timeout": timeout})
-            response = await transport.handle_async_request(request)
-            response.request = request
+            response = await transport.post(url, path, body, headers, timeout)
             refusal = shed(pool, response)
             if refusal is not None:
                 with contextlib.suppress(httpx.HTTPError):

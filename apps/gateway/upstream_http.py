@@ -23,7 +23,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httptools
@@ -201,6 +201,8 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         self._ssl_context = ssl_context
         self.idle: dict[tuple[str, str, int], list[UpstreamConnection]] = {}
         self.opened = 0  # connections made, for tests and the curious
+        # A backend's base URL -> (its connection key, its Host header, its path prefix).
+        self._origins: dict[str, tuple[tuple[str, str, int], bytes, bytes]] = {}
 
     def ssl_context(self) -> ssl.SSLContext:
         if self._ssl_context is None:  # only for https backends: loading the CA bundle takes tens of ms
@@ -213,11 +215,28 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         if scheme not in DEFAULT_PORTS:
             raise httpx.UnsupportedProtocol(f"no {scheme!r} backends: http or https")
         key = (scheme, url.host, url.port or DEFAULT_PORTS[scheme])
-        timeout = request.extensions.get("timeout") or {}
-        connection = self._idle_connection(key) or await self._connect(key, timeout.get("connect"))
         body = await request.aread()  # already read for the bytes every caller sends
+        return await self._exchange(key, _head(request, len(body)) + body, request.extensions.get("timeout") or {})
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
+                   timeout: Mapping[str, float | None]) -> httpx.Response:
+        """POST `body` to `base_url` + `path` (the proxy's call): the same exchange without an `httpx.Request`,
+        whose URL parsing and header normalisation cost a tenth of a proxied request's CPU for a backend URL
+        that never changes (parsed once here)."""
+        origin = self._origins.get(base_url)
+        if origin is None:
+            origin = self._origins[base_url] = _origin(base_url)
+        key, host, prefix = origin
+        lines = b"".join([_header_line(name, value) for name, value in headers.items()])
+        head = b"POST %s%s HTTP/1.1\r\nhost: %s\r\n%scontent-length: %d\r\n\r\n" % (
+            prefix, path.encode(), host, lines, len(body))
+        return await self._exchange(key, head + body, timeout)
+
+    async def _exchange(self, key: tuple[str, str, int], data: bytes,
+                        timeout: Mapping[str, float | None]) -> httpx.Response:
+        connection = self._idle_connection(key) or await self._connect(key, timeout.get("connect"))
         try:
-            connection.send(_head(request, len(body)) + body)
+            connection.send(data)
             while not connection.headers_read:
                 await connection.wait(timeout.get("read"), "answer")
         except BaseException:
@@ -264,6 +283,21 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
             for connection in idle:
                 connection.close()
         self.idle.clear()
+
+
+def _origin(base_url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
+    url = httpx.URL(base_url)
+    if url.scheme not in DEFAULT_PORTS:
+        raise httpx.UnsupportedProtocol(f"no {url.scheme!r} backends: http or https")
+    host = url.netloc  # with its port, when it has one
+    return (url.scheme, url.host, url.port or DEFAULT_PORTS[url.scheme]), host, url.raw_path.rstrip(b"/")
+
+
+def _header_line(name: str, value: str) -> bytes:
+    line = f"{name}: {value}\r\n".encode()
+    if line.count(b"\r") != 1 or line.count(b"\n") != 1:  # a header must not smuggle another one in
+        raise ValueError(f"header {name!r} holds a line break")
+    return line
 
 
 def _head(request: httpx.Request, length: int) -> bytes:

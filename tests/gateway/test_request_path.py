@@ -69,7 +69,7 @@ class PathTrace:
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if event != "call":
             return
-        if frame.f_code is UpstreamTransport.handle_async_request.__code__:
+        if frame.f_code is UpstreamTransport.post.__code__:
             self.left = True
             return
         here = _project_file(frame)

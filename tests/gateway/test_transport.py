@@ -235,3 +235,38 @@ def test_the_client_uses_it_as_it_used_httpcore() -> None:
             return (await client.get(url + "/health")).json()
 
     assert asyncio.run(run()) == {"ok": True}
+
+
+def test_the_proxy_post_sends_path_host_and_headers_and_refuses_a_smuggled_line() -> None:
+    heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, body = await _read_request(reader)  # type: ignore[misc]
+            except asyncio.IncompleteReadError:
+                return
+            heads.append(head)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async def run() -> bytes:
+        server, url = await _serve(handler)
+        transport = _transport()
+        timeout = {"connect": 5.0, "read": 5.0}
+        async with server:
+            response = await transport.post(url + "/prefix/", "/v1/completions", b"{}",
+                                            {"x-llm-d-inference-fairness-id": "acme"}, timeout)
+            body = await response.aread()
+            await response.aclose()
+            with pytest.raises(ValueError, match="line break"):
+                await transport.post(url, "/v1/completions", b"{}", {"x-a": "b\r\nx-evil: 1"}, timeout)
+            await transport.aclose()
+        return body
+
+    assert asyncio.run(run()) == b"{}"
+    lines = heads[0].split(b"\r\n")
+    assert lines[0] == b"POST /prefix/v1/completions HTTP/1.1"
+    assert lines[1].startswith(b"host: 127.0.0.1:")
+    assert b"x-llm-d-inference-fairness-id: acme" in lines
+    assert len(heads) == 1  # the smuggling one never left
