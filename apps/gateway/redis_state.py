@@ -208,7 +208,6 @@ class InFlightAlready(Exception):
 
 class RedisStateStore(GatewayStateStore):
     poll_s = 0.25
-    shares_budget = True
 
     def __init__(
         self, *, url: str = "", socket_timeout_s: float = 1.0, client: aioredis.Redis | None = None,
@@ -609,9 +608,7 @@ class RedisStateStore(GatewayStateStore):
         # An evicted request's record waits for its late release: it has left the state machine.
         return values[0] if values[0] in (RUNNING, WAITING) else None
 
-    # --- usage counted by the releases ------------------------------------------------------------------
-
-    records_usage = True
+    # --- usage counted by the releases (`apps.gateway.peers.RedisPeers`) ---------------------------------
 
     async def usage_claim(self, *, pool: str, token: str, lease_s: float) -> dict[str, dict[str, str]]:
         raw = await self._call("usage_claim", [self._base(pool)], [self._now(), token, repr(float(lease_s))])
@@ -630,7 +627,7 @@ class RedisStateStore(GatewayStateStore):
     async def usage_done(self, *, pool: str, token: str) -> None:
         await self._call("usage_done", [self._base(pool)], [token])
 
-    # --- leases and other processes' transitions -------------------------------------------------------
+    # --- leases and other processes' transitions (`apps.gateway.peers.RedisPeers`) ----------------------
 
     async def leases_renew(self, *, pool: str, request_ids: list[str]) -> None:
         if request_ids:
