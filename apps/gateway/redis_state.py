@@ -74,7 +74,7 @@ from apps.policy.queues import (
     queued_decision,
 )
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
-from apps.policy.quota_offer import after_reserve, demoted_hold, refunds, settlement
+from apps.policy.quota_offer import Decide, Refund, Reserve, Step, quota_offer, run_async, settlement
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
 from apps.policy.window import WindowFigures, WindowReading, window_reading
 
@@ -339,25 +339,30 @@ class RedisStateStore(GatewayStateStore):
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
         quota: QuotaClaim | None = None,
     ) -> Offer:
-        # The quota sequence is apps.policy.quota_offer's (as AdmissionLedger._request_under_quota drives it).
-        verdict = None if quota is None else await self._quota_reserve(quota)
-        if verdict is not None and quota is not None:
-            step = after_reserve(quota, verdict)
-            if step.demoted is not None:
-                return await self._offer_demoted(limits, pool, request, saturation, step.demoted, verdict)
-            if step.refusal is not None:
-                return Offer(step.refusal, None, RateView(), REJECTED, quota=verdict.standing)
-        offer = await self._offer_settling(limits, pool, request, saturation, quota)
-        if quota is None or verdict is None:
-            return offer
-        if refunds(offer.decision):
-            await self._quota_settle(quota.scope, request.request_id, 0, 0)
-            standings = await self.quota_standings(scope=quota.scope, charges=quota.charges)
-            return replace(offer, quota=binding(standings))
-        reservation = offer.reservation
-        if reservation is not None:
-            reservation.quota_scope = quota.scope
-        return replace(offer, quota=verdict.standing)
+        if quota is None:
+            return await self._offer_settling(limits, pool, request, saturation, None)
+
+        # The quota sequence is apps.policy.quota_offer's (as AdmissionLedger._request_under_quota drives it):
+        # this store answers its steps with the quota scripts and the offer.
+        async def answer(step: Step) -> Any:
+            if isinstance(step, Reserve):
+                return await self._quota_reserve(step.claim)
+            if isinstance(step, Decide):
+                return await self._offer_settling(limits, pool, request, saturation, step.hold, demote=step.demoted)
+            if isinstance(step, Refund):
+                return await self._quota_settle(step.claim.scope, step.claim.request_id, 0, 0)
+            return QuotaVerdict(True, binding(await self.quota_standings(scope=step.claim.scope,
+                                                                         charges=step.claim.charges)))
+
+        outcome = await run_async(quota_offer(quota, bound=limits.state is EntitlementState.BOUND), answer)
+        standing = None if outcome.verdict is None else outcome.verdict.standing
+        if outcome.offer is None:
+            assert outcome.refusal is not None
+            return Offer(outcome.refusal, None, RateView(), REJECTED, quota=standing)
+        offer: Offer = outcome.offer
+        if offer.reservation is not None and outcome.hold is not None:
+            offer.reservation.quota_scope = outcome.hold.scope
+        return replace(offer, quota=standing)
 
     async def _offer_settling(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
                               saturation: float, quota: QuotaClaim | None, demote: bool = False) -> Offer:
@@ -373,25 +378,6 @@ class RedisStateStore(GatewayStateStore):
                 with contextlib.suppress(StateStoreUnavailable):
                     await self._quota_settle(quota.scope, request.request_id, 0, 0)
             raise
-
-    async def _offer_demoted(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
-                             saturation: float, claim: QuotaClaim, exhausted: QuotaVerdict) -> Offer:
-        """A used-up quota that says `on_exceeded: spot`: the request is offered under the entitlement's spot
-        tier, holding its share of the quotas that say `reject` (AdmissionLedger._request_demoted)."""
-        if limits.state is not EntitlementState.BOUND:
-            return await self._offer_settling(limits, pool, request, saturation, None)
-        held = demoted_hold(claim)
-        if held is not None:
-            verdict = await self._quota_reserve(held)
-            refusal = after_reserve(held, verdict).refusal
-            if refusal is not None:
-                return Offer(refusal, None, RateView(), REJECTED, quota=verdict.standing)
-        offer = await self._offer_settling(limits, pool, request, saturation, held, demote=True)
-        if held is not None and refunds(offer.decision):
-            await self._quota_settle(held.scope, request.request_id, 0, 0)
-        if offer.reservation is not None:
-            offer.reservation.quota_scope = None if held is None else held.scope
-        return replace(offer, quota=exhausted.standing)
 
     # --- quotas (one hash per tenant: apps/gateway/lua/quota_*.lua) ------------------------------------
 

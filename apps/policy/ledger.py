@@ -44,6 +44,7 @@ import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from apps.policy.admission import (
     CAPACITY_REASONS,
@@ -76,11 +77,14 @@ from apps.policy.quota import QuotaBook, QuotaClaim, QuotaVerdict
 from apps.policy.quota_offer import (
     OUTCOME_CANCELLED,
     OUTCOME_COMPLETED,
-    after_reserve,
+    Decide,
+    Refund,
+    Reserve,
+    Step,
     consumed,
-    demoted_hold,
+    quota_offer,
     quota_refusal,
-    refunds,
+    run_sync,
     settlement,
 )
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
@@ -536,47 +540,35 @@ class AdmissionLedger:
     def _request_under_quota(self, entitlement_id: str, request: AdmissionRequest, now: float,
                              limits: EntitlementLimits | None, quota: QuotaClaim) -> LedgerResult:
         """The quota's reservation first (refused: quota_exceeded, before the five checks), then the offer;
-        an offer the checks reject gives the reservation back."""
+        an offer the checks reject gives the reservation back (`apps.policy.quota_offer.quota_offer`)."""
         if request.request_id in self._requests:
             return self.request(entitlement_id, request, now, limits)  # rejected as a duplicate, quota untouched
-        verdict = self.quotas.reserve(quota, now)
-        step = after_reserve(quota, verdict)  # the sequence of apps.policy.quota_offer
-        if step.demoted is not None:
-            return self._request_demoted(entitlement_id, request, now, limits, step.demoted, verdict)
-        if step.refusal is not None:
-            self.counters.offered += 1
-            rejected = self._rejected(None, step.refusal)
-            return LedgerResult(rejected.decision, quota=verdict)
-        result = self.request(entitlement_id, request, now, limits)
-        if refunds(result.decision):
-            self.quotas.refund(request.request_id)
-            verdict = self.quotas.verdict(quota)
-        return LedgerResult(result.decision, result.started, result.evicted, verdict)
-
-    def _request_demoted(self, entitlement_id: str, request: AdmissionRequest, now: float,
-                         limits: EntitlementLimits | None, claim: QuotaClaim, exhausted: QuotaVerdict) -> LedgerResult:
-        """A request whose used-up quota says `on_exceeded: spot`: offered under the entitlement's spot tier,
-        holding its share of the quotas that say `reject` (which may still refuse it). Its quota standing is
-        the used-up quota's (`apps.policy.tiers`)."""
         record = self._entitlements.get(entitlement_id)
         if limits is not None and (record is None or limits != record.limits):
-            self.upsert_entitlement(limits, now)  # its tier's room counts its idle reservation (`_tier_pool`)
+            self.upsert_entitlement(limits, now)  # a demoted request's tier counts its idle reservation (`_tier_pool`)
             record = self._entitlements[entitlement_id]
-        if record is None or record.limits.state is not EntitlementState.BOUND:
-            return self.request(entitlement_id, request, now, limits)  # refused by check 1, quota untouched
-        hold = demoted_hold(claim)
-        if hold is not None:
-            held = self.quotas.reserve(hold, now)
-            refusal = after_reserve(hold, held).refusal
-            if refusal is not None:
-                self.counters.offered += 1
-                rejected = self._rejected(None, refusal)
-                return LedgerResult(rejected.decision, quota=held)
-        tier = record.limits.tier_limits(DEMOTED_CLASS)
-        result = self.request(tier.entitlement_id, request, now, tier)  # which keeps the tier's record in step
-        if hold is not None and refunds(result.decision):
-            self.quotas.refund(request.request_id)
-        return LedgerResult(result.decision, result.started, result.evicted, exhausted)
+        bound = record is not None and record.limits.state is EntitlementState.BOUND
+
+        def answer(step: Step) -> Any:
+            if isinstance(step, Reserve):
+                return self.quotas.reserve(step.claim, now)
+            if isinstance(step, Decide):
+                if not step.demoted:
+                    return self.request(entitlement_id, request, now, limits)
+                assert record is not None
+                tier = record.limits.tier_limits(DEMOTED_CLASS)
+                return self.request(tier.entitlement_id, request, now, tier)  # which keeps the tier's record in step
+            if isinstance(step, Refund):
+                return self.quotas.refund(step.claim.request_id)
+            return self.quotas.verdict(step.claim)
+
+        outcome = run_sync(quota_offer(quota, bound=bound), answer)
+        if outcome.offer is None:
+            assert outcome.refusal is not None
+            self.counters.offered += 1
+            return LedgerResult(self._rejected(None, outcome.refusal).decision, quota=outcome.verdict)
+        result: LedgerResult = outcome.offer
+        return LedgerResult(result.decision, result.started, result.evicted, outcome.verdict)
 
     def release(
         self, request_id: str, now: float, output_tokens: float | None = None, prompt_tokens: float | None = None
