@@ -27,7 +27,7 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -62,17 +62,10 @@ from apps.policy import (
     PoolUsage,
     admit,
 )
-from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, OWN_LIMIT_REASONS, Reason
+from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, Reason
 from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
 from apps.policy.priority import DynamicsConfig
-from apps.policy.queues import (
-    FULL,
-    full_decision,
-    offered_priority,
-    own_queue_route,
-    own_retry_s,
-    queued_decision,
-)
+from apps.policy.queues import ENQUEUE, offered_priority, own_limits_decision, own_retry_s
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
 from apps.policy.quota_offer import Decide, Refund, Reserve, Step, quota_offer, run_async, settlement
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
@@ -466,16 +459,13 @@ class RedisStateStore(GatewayStateStore):
                     limits, decision = tier, tier_decision
             capacity, rate = _bucket_args(limits)
             mode = RUNNING if decision.admitted else WAITING
-            route = None if limits.tier_of else own_queue_route(limits, decision, queue_length)
-            if route is not None or (not limits.tier_of and not decision.admitted and not decision.queued
-                                     and decision.retryable and decision.reason in OWN_LIMIT_REASONS):
-                retry_s = own_retry_s(decision, oldest_start, self._clock_now(), self.config.expected_service_s)
-                if route is None or route == FULL:
-                    decision = full_decision(decision, retry_s) if route == FULL else decision._replace(
-                        retry_after_s=retry_s)
-                else:
-                    priority = offered_priority(limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config)
-                    decision, mode = queued_decision(decision, priority, retry_s), QUEUED
+            decision, route = own_limits_decision(
+                limits, decision, queue_length,
+                partial(own_retry_s, oldest_start=oldest_start, now=self._clock_now(),
+                        expected_service_s=self.config.expected_service_s),
+                partial(offered_priority, limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config))
+            if route == ENQUEUE:
+                mode = QUEUED
             if not decision.admitted and not decision.queued:
                 if decision.reason in CAPACITY_REASONS:
                     await self._call("refuse", [self._base(pool.name)],

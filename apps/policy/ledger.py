@@ -49,7 +49,6 @@ from typing import Any
 from apps.policy.admission import (
     CAPACITY_REASONS,
     DEFAULT_ADMISSION_CONFIG,
-    OWN_LIMIT_REASONS,
     AdmissionConfig,
     AdmissionDecision,
     AdmissionRequest,
@@ -65,12 +64,10 @@ from apps.policy.errors import PolicyConfigError, require_non_negative
 from apps.policy.ledger_records import RUNNING, WAITING, EntitlementRecord, RequestRecord, check_invariants
 from apps.policy.priority import AT_REST, Dynamics, DynamicsConfig
 from apps.policy.queues import (
-    FULL,
-    full_decision,
+    ENQUEUE,
     offered_priority,
-    own_queue_route,
+    own_limits_decision,
     own_retry_s,
-    queued_decision,
     within_own_limits,
 )
 from apps.policy.quota import QuotaBook, QuotaClaim, QuotaVerdict
@@ -434,12 +431,14 @@ class AdmissionLedger:
                 if spilled is not None:
                     record, decision = spilled
                 else:
-                    route = own_queue_route(limits, decision, len(record.queue))
-                    if route is not None:
-                        return self._enqueue(record, request, decision, now, full=route == FULL)
+                    owner, dynamics = record, record.dynamics
+                    decision, route = own_limits_decision(
+                        limits, decision, len(record.queue), lambda refused: self._own_retry_s(owner, refused, now),
+                        lambda: offered_priority(limits, request, self._mean_slo_ms, dynamics.burst, dynamics.debt,
+                                                 self.config))
+                    if route == ENQUEUE:
+                        return self._enqueue(record, request, decision, now)
         if not decision.admitted and not decision.queued:
-            if decision.retryable and decision.reason in OWN_LIMIT_REASONS:
-                decision = decision._replace(retry_after_s=self._own_retry_s(record, decision, now))
             return self._rejected(record, decision)
 
         self._seq += 1
@@ -512,16 +511,10 @@ class AdmissionLedger:
             entry.deadline = deadline
             heapq.heappush(self._deadlines, (deadline, entry.seq, entry.request_id))
 
-    def _enqueue(self, record: EntitlementRecord, request: AdmissionRequest, decision: AdmissionDecision,
-                 now: float, *, full: bool) -> LedgerResult:
-        """offered -> queued in the entitlement's own queue (holding nothing), or queue_full."""
+    def _enqueue(self, record: EntitlementRecord, request: AdmissionRequest, queued: AdmissionDecision,
+                 now: float) -> LedgerResult:
+        """offered -> queued in the entitlement's own queue (holding nothing), as `own_limits_decision` decided."""
         limits = record.limits
-        retry_after_s = self._own_retry_s(record, decision, now)
-        if full:
-            return self._rejected(record, full_decision(decision, retry_after_s))
-        dynamics = record.dynamics
-        priority = offered_priority(limits, request, self._mean_slo_ms, dynamics.burst, dynamics.debt, self.config)
-        queued = queued_decision(decision, priority, retry_after_s)
         self._seq += 1
         entry = RequestRecord(request.request_id, record, queued, request.input_tokens, now, self._seq)
         entry.state, entry.own, entry.request = WAITING, True, request
