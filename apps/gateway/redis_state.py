@@ -62,7 +62,13 @@ from apps.policy import (
     PoolUsage,
     admit,
 )
-from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, Reason
+from apps.policy.admission import (
+    CAPACITY_REASONS,
+    DEFAULT_ADMISSION_CONFIG,
+    Reason,
+    budget_bound,
+    dispatch_capacity,
+)
 from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
 from apps.policy.priority import DynamicsConfig
 from apps.policy.queues import ENQUEUE, offered_priority, own_limits_decision, own_retry_s
@@ -312,7 +318,7 @@ class RedisStateStore(GatewayStateStore):
         running = int(_float(raw[7]))
         capacity = max(0, pool.concurrency_capacity)
         pool_usage = PoolUsage(
-            concurrency_capacity=capacity if budget is None else min(budget, capacity),
+            concurrency_capacity=dispatch_capacity(capacity, budget),
             kv_capacity=pool.kv_capacity,
             running=running,
             kv_bytes_running=_float(raw[8]),
@@ -324,7 +330,7 @@ class RedisStateStore(GatewayStateStore):
             lowest_evictable_priority=float(raw[12]) if raw[12] != "" else None,
             evictable_running=int(_float(raw[13])),
             evictable_kv_bytes=_float(raw[14]),
-            budget_bound=budget is not None and budget <= running < capacity,
+            budget_bound=budget_bound(budget, running, capacity),
         )
         return usage, pool_usage, raw[15], int(_float(raw[16])), float(raw[17]) if raw[17] != "" else None
 

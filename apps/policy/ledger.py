@@ -58,6 +58,8 @@ from apps.policy.admission import (
     PoolUsage,
     Reason,
     admit,
+    budget_bound,
+    dispatch_capacity,
 )
 from apps.policy.bucket import TokenBucket
 from apps.policy.errors import PolicyConfigError, require_non_negative
@@ -275,12 +277,10 @@ class AdmissionLedger:
 
     def _budget_bound(self) -> bool:
         """The dispatch budget is what is full, not the capacity (`PoolUsage.budget_bound`)."""
-        return self.budget is not None and self.budget <= self.running < self.concurrency_capacity
+        return budget_bound(self.budget, self.running, self.concurrency_capacity)
 
     def _refresh_dispatch(self) -> None:
-        budget = self.budget
-        self.dispatch_capacity = self.concurrency_capacity if budget is None else min(budget,
-                                                                                      self.concurrency_capacity)
+        self.dispatch_capacity = dispatch_capacity(self.concurrency_capacity, self.budget)
 
     def set_saturation(self, saturation: float, now: float) -> tuple[str, ...]:
         if saturation != saturation or saturation < 0:
