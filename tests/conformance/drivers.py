@@ -40,7 +40,7 @@ from tests.conformance.scenarios import (
     Tick,
     Usage,
 )
-from tests.conformance.transitions import Capacity, Leases, Race, Remove, Saturation
+from tests.conformance.steps import Capacity, Leases, Race, Remove, Saturation
 
 POOL = "conformance"
 
