@@ -3,7 +3,10 @@
 The transitions are `apps.policy.AdmissionLedger`'s (offer, wait, start, complete, cancel, expire, evict,
 tick). `MemoryStateStore` (apps.gateway.memory_state) drives one ledger per pool; `RedisStateStore`
 (apps.gateway.redis_state) applies the same transitions in Lua so that every gateway process shares one
-set of pools, and `make conformance` proves the two equal to the ledger on one table of scenarios.
+set of pools, and `make conformance` proves the two equal to the ledger on one table of scenarios. Every
+method of the interface is the state machine's (a transition or a read) and both stores implement each one;
+what several processes on one store share besides (other processes' events, request leases, usage counted by
+the release, one budget controller) is not the store's: `apps.gateway.peers`.
 
 What both share lives here: the types of an offer's outcome, and the waiting room of this process, where a
 request whose offer ended `waiting` waits until a transition anywhere starts it (a release, an eviction, more
