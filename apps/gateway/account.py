@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from apps.gateway.admission import Admission, InFlight
 from apps.gateway.budget import PoolBudget
 from apps.gateway.metrics import GatewayMetrics
+from apps.gateway.peers import Peers
 from apps.gateway.state import GatewayStateStore, Reservation, StateStoreUnavailable, UsageKey
-from apps.gateway.usage import UsageAccumulator, current_minute
+from apps.gateway.usage import UsageAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,11 @@ class PendingRelease:
 
 
 class Accountant:
-    def __init__(self, *, store: GatewayStateStore, metrics: GatewayMetrics, usage: UsageAccumulator,
+    def __init__(self, *, store: GatewayStateStore, peers: Peers, metrics: GatewayMetrics, usage: UsageAccumulator,
                  in_flight: InFlight, budgets: Mapping[str, PoolBudget]) -> None:
         self.store = store
+        # Where a served request's usage is counted: in the store's release (a shared store), or here.
+        self.peers = peers
         # Each pool's dispatch budget controller, whose AIMD reads the TTFTs seen here.
         self.budgets = budgets
         self.metrics = metrics
@@ -70,10 +73,11 @@ class Accountant:
         self.usage.key_used(admission.entry.key_id, time.time())
         prompt, completion = ctx.served.counts(reservation.input_tokens)
         entitlement = admission.entry.entitlement
-        # A store that counts usage does it in the release itself (nothing is lost if this process dies).
-        in_store = ctx.proxied and reservation.accounted and self.store.records_usage
+        # A shared store counts usage in the release itself (nothing is lost if this process dies).
         tier = ctx.service_tier or str(admission.limits.service_class)
-        usage = UsageKey(admission.entry.tenant_id, current_minute(), tier) if in_store else None
+        usage = self.peers.usage_key(tenant_id=admission.entry.tenant_id, service_tier=tier) if (
+            ctx.proxied and reservation.accounted) else None
+        in_store = usage is not None
         if ctx.proxied:
             await self.release(reservation, prompt, completion, usage)
         else:

@@ -61,6 +61,7 @@ from apps.gateway.parse import (
     parse_request,
     read_body,
 )
+from apps.gateway.peers import Peers, peers_for
 from apps.gateway.relay import deliver, relay, send_preempted
 from apps.gateway.request_log import RequestLog, entry_of
 from apps.gateway.routing import ReplicaSet, admission_saturation
@@ -96,6 +97,8 @@ class Gateway:
         self.config = config or GatewayConfig.from_settings()
         self.snapshots = snapshots or SnapshotCache(config=self.config)
         self.store = store
+        # What this process shares with the others on the store (none with the in-process store), chosen with it.
+        self.peers: Peers | None = None if store is None else peers_for(store)
         self.metrics = GatewayMetrics()
         self.tokens = TokenCounter(enabled=self.config.tokenize)
         self.usage = UsageAccumulator()
@@ -145,14 +148,14 @@ class Gateway:
                 self.client = httpx.AsyncClient(transport=self.transport, timeout=timeout)
             if self.store is None:
                 self.store = self._make_store()
+            if self.peers is None:
+                self.peers = peers_for(self.store)
             self.store.on_evict = self.in_flight.evict
-            redis = getattr(self.store, "redis", None)
-            if self.request_log is not None and redis is not None:
-                # A shared store: the records go through its Redis (crash-safe as usage; request_log.py).
-                self.request_log.attach(redis, getattr(self.store, "prefix", ""))
+            if self.request_log is not None:
+                self.peers.request_log(self.request_log)
             if self.snapshots.current is None:
                 await self.snapshots.refresh(force=True)
-            self.accountant = Accountant(store=self.store, metrics=self.metrics, usage=self.usage,
+            self.accountant = Accountant(store=self.store, peers=self.peers, metrics=self.metrics, usage=self.usage,
                                          in_flight=self.in_flight, budgets=self.budgets)
             self.admitter = Admitter(store=self.store, config=self.config, metrics=self.metrics, usage=self.usage,
                                      in_flight=self.in_flight, forget=self.accountant.forget)
@@ -201,7 +204,7 @@ class Gateway:
             budget = self.budgets[pool.name] = PoolBudget(
                 pool.name, pool.concurrency_capacity, ttft_target_s=self.config.ttft_target_s,
                 min_budget=self.config.budget_min, min_budget_fraction=self.config.budget_min_fraction,
-                window_ticks=window, shared=self.store is not None and self.store.shares_budget,
+                window_ticks=window, shared=self.peers is not None and self.peers.budgets_shared,
             )
         elif budget.capacity != max(1, pool.concurrency_capacity):
             budget.resize(pool.concurrency_capacity)

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +39,6 @@ from apps.gateway.ticks import (
     tick_ewma,
     ticks_mode,
 )
-from apps.gateway.usage import usage_batch_apply, usage_counts_parse
 from apps.policy import EntitlementLimits, EntitlementState
 from apps.policy.admission import request_priority
 
@@ -52,8 +50,6 @@ logger = logging.getLogger(__name__)
 # With a shared store, how often this process's TTFT counts go to the pool's shared window.
 TTFT_FLUSH_S = 1.0
 RELEASE_RETRY_S = 1.0
-# How long a flush may take to write the usage it claimed in the store before another flush takes it over.
-USAGE_CLAIM_LEASE_S = 30.0
 # How often the store's own in-flight counts are read for /metrics.
 STORE_VIEW_S = 1.0
 # Entitlements whose debt, burst and priority one store view reads beside those with requests in flight: a
@@ -89,11 +85,11 @@ class BackgroundLoops:
 
     def start(self) -> None:
         gateway = self.gateway
-        assert gateway.store is not None
+        assert gateway.store is not None and gateway.peers is not None
         self.loop = asyncio.get_running_loop()
         config = gateway.config
         # What keeps the store right runs always: other processes' notices, deferred releases, leases.
-        self._spawn(gateway.store.events_listen(), "gw-events")
+        self._spawn(gateway.peers.listen(), "gw-events")
         self._every(RELEASE_RETRY_S, self.retry_releases, "gw-releases")
         self._every(config.lease_renew_s, self.leases_tick, "gw-leases")
         self._every(STORE_VIEW_S, self.store_view, "gw-store-view")
@@ -108,7 +104,7 @@ class BackgroundLoops:
             self._every(config.usage_flush_s, self.request_log_flush, "gw-request-log")
             if log.redis is not None:  # to the shared list every second: what a SIGKILL can lose
                 self._every(REQUEST_LOG_PUSH_S, log.push, "gw-request-log-push")
-        if gateway.store.shares_budget:
+        if gateway.peers.budgets_shared:
             self._every(TTFT_FLUSH_S, self.ttft_flush, "gw-ttft")
 
     def _spawn(self, coroutine: Awaitable[Any], name: str) -> None:
@@ -211,14 +207,13 @@ class BackgroundLoops:
     async def leases_tick(self) -> int:
         """Renew the leases of this process's requests, then release those of dead processes."""
         gateway = self.gateway
-        assert gateway.store is not None
+        assert gateway.peers is not None
         reaped = 0
         accountant = getattr(gateway, "accountant", None)  # made at start, with the loops
         try:
             for name in list(gateway.budgets):
                 ids = gateway.in_flight.ids(name) + ([] if accountant is None else accountant.pending_ids(name))
-                await gateway.store.leases_renew(pool=name, request_ids=ids)
-                reaped += await gateway.store.leases_reap(pool=name)
+                reaped += await gateway.peers.leases(pool=name, request_ids=ids)
             reaped += await self.quota_leases_tick()
         except StateStoreUnavailable:
             pass
@@ -248,24 +243,14 @@ class BackgroundLoops:
         return reaped
 
     async def usage_flush(self) -> int:
-        """This process's usage counts to the database, then (a store that counts usage) the pools' counts
-        in the store, claim by claim, each applied once; returns the number of batches written."""
+        """This process's usage counts to the database, then (a shared store: `Peers.usage_flush`) the pools'
+        counts in the store, claim by claim, each applied once; returns the number of batches written."""
         gateway = self.gateway
         written = 1 if await gateway.usage.flush() else 0
-        store, snapshot = gateway.store, gateway.snapshots.current
-        if store is None or not store.records_usage or snapshot is None:
+        peers, snapshot = gateway.peers, gateway.snapshots.current
+        if peers is None or snapshot is None:
             return written
-        for pool in list(snapshot.pools):
-            try:
-                claims = await store.usage_claim(pool=pool, token=uuid.uuid4().hex, lease_s=USAGE_CLAIM_LEASE_S)
-            except StateStoreUnavailable:
-                return written
-            for token, fields in claims.items():
-                # A failed write leaves the claim in the store; its lease runs out and a flush takes it again.
-                await asyncio.to_thread(usage_batch_apply, token, usage_counts_parse(fields))
-                await store.usage_done(pool=pool, token=token)
-                written += 1
-        return written
+        return written + await peers.usage_flush(pools=list(snapshot.pools))
 
     async def request_log_flush(self) -> int:
         """The request log's records to the database (with Redis: through its shared list); rows written."""
@@ -381,7 +366,7 @@ class BackgroundLoops:
         budgets = aimd_tick_all(list(gateway.budgets.values()), demand)  # shared: only the local windows move on
         if gateway.store is None:
             return budgets
-        if not gateway.store.shares_budget:
+        if gateway.peers is None or not gateway.peers.budgets_shared:
             # This process's own controllers: their budgets are checks of its state machines.
             with contextlib.suppress(StateStoreUnavailable):
                 await gateway.store.pool_budgets_set(budgets=budgets)

@@ -121,7 +121,7 @@ class MemoryStateStore(GatewayStateStore):
         self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
         usage: UsageKey | None = None,
     ) -> ReleaseResult:
-        # Usage is counted by the process (`records_usage` is False): the gateway's accumulator.
+        # Usage is counted by the process (`apps.gateway.peers.Alone`: no `usage` key comes here).
         self._forget(reservation.request_id)
         ledger = self._ledgers.get(reservation.pool)
         if ledger is None:
@@ -173,6 +173,9 @@ class MemoryStateStore(GatewayStateStore):
 
     async def ping(self, *, timeout_s: float) -> None:
         """In this process: it always answers."""
+
+    async def close(self) -> None:
+        """In this process: no connection to let go of (the ledgers go with the store)."""
 
     async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
         return [self.quotas.standing(charge) for charge in charges]

@@ -27,7 +27,7 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +62,18 @@ from apps.policy import (
     PoolUsage,
     admit,
 )
-from apps.policy.admission import CAPACITY_REASONS, DEFAULT_ADMISSION_CONFIG, OWN_LIMIT_REASONS, Reason
+from apps.policy.admission import (
+    CAPACITY_REASONS,
+    DEFAULT_ADMISSION_CONFIG,
+    Reason,
+    budget_bound,
+    dispatch_capacity,
+)
 from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
 from apps.policy.priority import DynamicsConfig
-from apps.policy.queues import (
-    FULL,
-    full_decision,
-    offered_priority,
-    own_queue_route,
-    own_retry_s,
-    queued_decision,
-)
+from apps.policy.queues import ENQUEUE, offered_priority, own_limits_decision, own_retry_s
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
-from apps.policy.quota_offer import after_reserve, demoted_hold, refunds, settlement
+from apps.policy.quota_offer import Decide, Refund, Reserve, Step, quota_offer, run_async, settlement
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
 from apps.policy.window import WindowFigures, WindowReading, window_reading
 
@@ -208,7 +207,6 @@ class InFlightAlready(Exception):
 
 class RedisStateStore(GatewayStateStore):
     poll_s = 0.25
-    shares_budget = True
 
     def __init__(
         self, *, url: str = "", socket_timeout_s: float = 1.0, client: aioredis.Redis | None = None,
@@ -320,7 +318,7 @@ class RedisStateStore(GatewayStateStore):
         running = int(_float(raw[7]))
         capacity = max(0, pool.concurrency_capacity)
         pool_usage = PoolUsage(
-            concurrency_capacity=capacity if budget is None else min(budget, capacity),
+            concurrency_capacity=dispatch_capacity(capacity, budget),
             kv_capacity=pool.kv_capacity,
             running=running,
             kv_bytes_running=_float(raw[8]),
@@ -332,7 +330,7 @@ class RedisStateStore(GatewayStateStore):
             lowest_evictable_priority=float(raw[12]) if raw[12] != "" else None,
             evictable_running=int(_float(raw[13])),
             evictable_kv_bytes=_float(raw[14]),
-            budget_bound=budget is not None and budget <= running < capacity,
+            budget_bound=budget_bound(budget, running, capacity),
         )
         return usage, pool_usage, raw[15], int(_float(raw[16])), float(raw[17]) if raw[17] != "" else None
 
@@ -340,25 +338,30 @@ class RedisStateStore(GatewayStateStore):
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
         quota: QuotaClaim | None = None,
     ) -> Offer:
-        # The quota sequence is apps.policy.quota_offer's (as AdmissionLedger._request_under_quota drives it).
-        verdict = None if quota is None else await self._quota_reserve(quota)
-        if verdict is not None and quota is not None:
-            step = after_reserve(quota, verdict)
-            if step.demoted is not None:
-                return await self._offer_demoted(limits, pool, request, saturation, step.demoted, verdict)
-            if step.refusal is not None:
-                return Offer(step.refusal, None, RateView(), REJECTED, quota=verdict.standing)
-        offer = await self._offer_settling(limits, pool, request, saturation, quota)
-        if quota is None or verdict is None:
-            return offer
-        if refunds(offer.decision):
-            await self._quota_settle(quota.scope, request.request_id, 0, 0)
-            standings = await self.quota_standings(scope=quota.scope, charges=quota.charges)
-            return replace(offer, quota=binding(standings))
-        reservation = offer.reservation
-        if reservation is not None:
-            reservation.quota_scope = quota.scope
-        return replace(offer, quota=verdict.standing)
+        if quota is None:
+            return await self._offer_settling(limits, pool, request, saturation, None)
+
+        # The quota sequence is apps.policy.quota_offer's (as AdmissionLedger._request_under_quota drives it):
+        # this store answers its steps with the quota scripts and the offer.
+        async def answer(step: Step) -> Any:
+            if isinstance(step, Reserve):
+                return await self._quota_reserve(step.claim)
+            if isinstance(step, Decide):
+                return await self._offer_settling(limits, pool, request, saturation, step.hold, demote=step.demoted)
+            if isinstance(step, Refund):
+                return await self._quota_settle(step.claim.scope, step.claim.request_id, 0, 0)
+            return QuotaVerdict(True, binding(await self.quota_standings(scope=step.claim.scope,
+                                                                         charges=step.claim.charges)))
+
+        outcome = await run_async(quota_offer(quota, bound=limits.state is EntitlementState.BOUND), answer)
+        standing = None if outcome.verdict is None else outcome.verdict.standing
+        if outcome.offer is None:
+            assert outcome.refusal is not None
+            return Offer(outcome.refusal, None, RateView(), REJECTED, quota=standing)
+        offer: Offer = outcome.offer
+        if offer.reservation is not None and outcome.hold is not None:
+            offer.reservation.quota_scope = outcome.hold.scope
+        return replace(offer, quota=standing)
 
     async def _offer_settling(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
                               saturation: float, quota: QuotaClaim | None, demote: bool = False) -> Offer:
@@ -374,25 +377,6 @@ class RedisStateStore(GatewayStateStore):
                 with contextlib.suppress(StateStoreUnavailable):
                     await self._quota_settle(quota.scope, request.request_id, 0, 0)
             raise
-
-    async def _offer_demoted(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
-                             saturation: float, claim: QuotaClaim, exhausted: QuotaVerdict) -> Offer:
-        """A used-up quota that says `on_exceeded: spot`: the request is offered under the entitlement's spot
-        tier, holding its share of the quotas that say `reject` (AdmissionLedger._request_demoted)."""
-        if limits.state is not EntitlementState.BOUND:
-            return await self._offer_settling(limits, pool, request, saturation, None)
-        held = demoted_hold(claim)
-        if held is not None:
-            verdict = await self._quota_reserve(held)
-            refusal = after_reserve(held, verdict).refusal
-            if refusal is not None:
-                return Offer(refusal, None, RateView(), REJECTED, quota=verdict.standing)
-        offer = await self._offer_settling(limits, pool, request, saturation, held, demote=True)
-        if held is not None and refunds(offer.decision):
-            await self._quota_settle(held.scope, request.request_id, 0, 0)
-        if offer.reservation is not None:
-            offer.reservation.quota_scope = None if held is None else held.scope
-        return replace(offer, quota=exhausted.standing)
 
     # --- quotas (one hash per tenant: apps/gateway/lua/quota_*.lua) ------------------------------------
 
@@ -481,16 +465,13 @@ class RedisStateStore(GatewayStateStore):
                     limits, decision = tier, tier_decision
             capacity, rate = _bucket_args(limits)
             mode = RUNNING if decision.admitted else WAITING
-            route = None if limits.tier_of else own_queue_route(limits, decision, queue_length)
-            if route is not None or (not limits.tier_of and not decision.admitted and not decision.queued
-                                     and decision.retryable and decision.reason in OWN_LIMIT_REASONS):
-                retry_s = own_retry_s(decision, oldest_start, self._clock_now(), self.config.expected_service_s)
-                if route is None or route == FULL:
-                    decision = full_decision(decision, retry_s) if route == FULL else decision._replace(
-                        retry_after_s=retry_s)
-                else:
-                    priority = offered_priority(limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config)
-                    decision, mode = queued_decision(decision, priority, retry_s), QUEUED
+            decision, route = own_limits_decision(
+                limits, decision, queue_length,
+                partial(own_retry_s, oldest_start=oldest_start, now=self._clock_now(),
+                        expected_service_s=self.config.expected_service_s),
+                partial(offered_priority, limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config))
+            if route == ENQUEUE:
+                mode = QUEUED
             if not decision.admitted and not decision.queued:
                 if decision.reason in CAPACITY_REASONS:
                     await self._call("refuse", [self._base(pool.name)],
@@ -609,9 +590,7 @@ class RedisStateStore(GatewayStateStore):
         # An evicted request's record waits for its late release: it has left the state machine.
         return values[0] if values[0] in (RUNNING, WAITING) else None
 
-    # --- usage counted by the releases ------------------------------------------------------------------
-
-    records_usage = True
+    # --- usage counted by the releases (`apps.gateway.peers.RedisPeers`) ---------------------------------
 
     async def usage_claim(self, *, pool: str, token: str, lease_s: float) -> dict[str, dict[str, str]]:
         raw = await self._call("usage_claim", [self._base(pool)], [self._now(), token, repr(float(lease_s))])
@@ -630,7 +609,7 @@ class RedisStateStore(GatewayStateStore):
     async def usage_done(self, *, pool: str, token: str) -> None:
         await self._call("usage_done", [self._base(pool)], [token])
 
-    # --- leases and other processes' transitions -------------------------------------------------------
+    # --- leases and other processes' transitions (`apps.gateway.peers.RedisPeers`) ----------------------
 
     async def leases_renew(self, *, pool: str, request_ids: list[str]) -> None:
         if request_ids:

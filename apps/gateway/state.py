@@ -3,7 +3,10 @@
 The transitions are `apps.policy.AdmissionLedger`'s (offer, wait, start, complete, cancel, expire, evict,
 tick). `MemoryStateStore` (apps.gateway.memory_state) drives one ledger per pool; `RedisStateStore`
 (apps.gateway.redis_state) applies the same transitions in Lua so that every gateway process shares one
-set of pools, and `make conformance` proves the two equal to the ledger on one table of scenarios.
+set of pools, and `make conformance` proves the two equal to the ledger on one table of scenarios. Every
+method of the interface is the state machine's (a transition or a read) and both stores implement each one;
+what several processes on one store share besides (other processes' events, request leases, usage counted by
+the release, one budget controller) is not the store's: `apps.gateway.peers`.
 
 What both share lives here: the types of an offer's outcome, and the waiting room of this process, where a
 request whose offer ended `waiting` waits until a transition anywhere starts it (a release, an eviction, more
@@ -184,9 +187,10 @@ class GatewayStateStore(ABC):
         usage: UsageKey | None = None,
     ) -> ReleaseResult:
         """Complete a running request (refunding what it did not use) or cancel a waiting one; the outcome
-        is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already. A store
-        that `records_usage` counts the tokens served under `usage` in the same step. The request's quota
-        reservation is settled at what it used (given prompt, or as counted at admission, plus output)."""
+        is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already. With a
+        `usage` key (`apps.gateway.peers.Peers.usage_key`: only a shared store's peers give one) the tokens
+        served are counted under it in the same step. The request's quota reservation is settled at what it
+        used (given prompt, or as counted at admission, plus output)."""
 
     @abstractmethod
     async def quota_leases(self, *, scope: str, request_ids: Sequence[str], lease_s: float) -> list[str]:
@@ -222,23 +226,13 @@ class GatewayStateStore(ABC):
         """The store's own count of requests in flight (waiting or running) by entitlement of the pool:
         what it holds, whichever process admitted them (a leak shows here)."""
 
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        pass
+    @abstractmethod
+    async def close(self) -> None:
+        """Let go of what the store holds outside the state machine (connections)."""
 
     @abstractmethod
     async def ping(self, *, timeout_s: float) -> None:
         """Raise when the store does not answer within `timeout_s` (/readyz)."""
-
-    # --- usage counted in the store (shared stores: a gateway that dies loses none of it) --------------
-
-    records_usage: bool = False
-
-    async def usage_claim(self, *, pool: str, token: str, lease_s: float) -> dict[str, dict[str, str]]:
-        """The pool's usage counts to write to the database, by claim token (see `usage_done`)."""
-        return {}
-
-    async def usage_done(self, *, pool: str, token: str) -> None:  # noqa: B027 - optional hook
-        """The claim is in the database."""
 
     # --- waiting ----------------------------------------------------------------------------------------
 
@@ -332,23 +326,7 @@ class GatewayStateStore(ABC):
                 return False
             await asyncio.sleep(0.01)
 
-    # --- leases (shared stores: a process that dies leaves reservations behind) -----------------------
-
-    async def leases_renew(self, *, pool: str, request_ids: list[str]) -> None:  # noqa: B027 - optional hook
-        """Keep the reservations of this process's requests alive."""
-
-    async def leases_reap(self, *, pool: str) -> int:
-        """Release reservations of processes that died; returns how many."""
-        return 0
-
-    async def events_listen(self) -> None:  # noqa: B027 - optional hook
-        """Deliver other processes' transitions to this process's waiters and victims (runs until cancelled)."""
-
     # --- the pools' dispatch budgets (seed 002's AIMD: a check of the state machine) ---------------------
-
-    # Several gateway processes share this store's pools, and so their budgets: one controller steps them
-    # (`apps.gateway.control.aimd_tick_shared`), not each process's own.
-    shares_budget: bool = False
 
     @abstractmethod
     async def pool_budgets_set(self, *, budgets: Mapping[str, int | None]) -> list[str]:

@@ -300,6 +300,16 @@ class PoolUsage(NamedTuple):
     budget_bound: bool = False
 
 
+def dispatch_capacity(capacity: int, budget: int | None) -> int:
+    """How many requests the pool may run: its capacity, and under a dispatch budget (AIMD) no more than that."""
+    return capacity if budget is None else min(budget, capacity)
+
+
+def budget_bound(budget: int | None, running: int, capacity: int) -> bool:
+    """The dispatch budget is what is full, not the capacity (`PoolUsage.budget_bound`)."""
+    return budget is not None and budget <= running < capacity
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     alpha_slo: float = DEFAULT_ALPHA_SLO

@@ -44,11 +44,11 @@ import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from apps.policy.admission import (
     CAPACITY_REASONS,
     DEFAULT_ADMISSION_CONFIG,
-    OWN_LIMIT_REASONS,
     AdmissionConfig,
     AdmissionDecision,
     AdmissionRequest,
@@ -58,29 +58,32 @@ from apps.policy.admission import (
     PoolUsage,
     Reason,
     admit,
+    budget_bound,
+    dispatch_capacity,
 )
 from apps.policy.bucket import TokenBucket
 from apps.policy.errors import PolicyConfigError, require_non_negative
 from apps.policy.ledger_records import RUNNING, WAITING, EntitlementRecord, RequestRecord, check_invariants
 from apps.policy.priority import AT_REST, Dynamics, DynamicsConfig
 from apps.policy.queues import (
-    FULL,
-    full_decision,
+    ENQUEUE,
     offered_priority,
-    own_queue_route,
+    own_limits_decision,
     own_retry_s,
-    queued_decision,
     within_own_limits,
 )
 from apps.policy.quota import QuotaBook, QuotaClaim, QuotaVerdict
 from apps.policy.quota_offer import (
     OUTCOME_CANCELLED,
     OUTCOME_COMPLETED,
-    after_reserve,
+    Decide,
+    Refund,
+    Reserve,
+    Step,
     consumed,
-    demoted_hold,
+    quota_offer,
     quota_refusal,
-    refunds,
+    run_sync,
     settlement,
 )
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
@@ -274,12 +277,10 @@ class AdmissionLedger:
 
     def _budget_bound(self) -> bool:
         """The dispatch budget is what is full, not the capacity (`PoolUsage.budget_bound`)."""
-        return self.budget is not None and self.budget <= self.running < self.concurrency_capacity
+        return budget_bound(self.budget, self.running, self.concurrency_capacity)
 
     def _refresh_dispatch(self) -> None:
-        budget = self.budget
-        self.dispatch_capacity = self.concurrency_capacity if budget is None else min(budget,
-                                                                                      self.concurrency_capacity)
+        self.dispatch_capacity = dispatch_capacity(self.concurrency_capacity, self.budget)
 
     def set_saturation(self, saturation: float, now: float) -> tuple[str, ...]:
         if saturation != saturation or saturation < 0:
@@ -430,12 +431,14 @@ class AdmissionLedger:
                 if spilled is not None:
                     record, decision = spilled
                 else:
-                    route = own_queue_route(limits, decision, len(record.queue))
-                    if route is not None:
-                        return self._enqueue(record, request, decision, now, full=route == FULL)
+                    owner, dynamics = record, record.dynamics
+                    decision, route = own_limits_decision(
+                        limits, decision, len(record.queue), lambda refused: self._own_retry_s(owner, refused, now),
+                        lambda: offered_priority(limits, request, self._mean_slo_ms, dynamics.burst, dynamics.debt,
+                                                 self.config))
+                    if route == ENQUEUE:
+                        return self._enqueue(record, request, decision, now)
         if not decision.admitted and not decision.queued:
-            if decision.retryable and decision.reason in OWN_LIMIT_REASONS:
-                decision = decision._replace(retry_after_s=self._own_retry_s(record, decision, now))
             return self._rejected(record, decision)
 
         self._seq += 1
@@ -508,16 +511,10 @@ class AdmissionLedger:
             entry.deadline = deadline
             heapq.heappush(self._deadlines, (deadline, entry.seq, entry.request_id))
 
-    def _enqueue(self, record: EntitlementRecord, request: AdmissionRequest, decision: AdmissionDecision,
-                 now: float, *, full: bool) -> LedgerResult:
-        """offered -> queued in the entitlement's own queue (holding nothing), or queue_full."""
+    def _enqueue(self, record: EntitlementRecord, request: AdmissionRequest, queued: AdmissionDecision,
+                 now: float) -> LedgerResult:
+        """offered -> queued in the entitlement's own queue (holding nothing), as `own_limits_decision` decided."""
         limits = record.limits
-        retry_after_s = self._own_retry_s(record, decision, now)
-        if full:
-            return self._rejected(record, full_decision(decision, retry_after_s))
-        dynamics = record.dynamics
-        priority = offered_priority(limits, request, self._mean_slo_ms, dynamics.burst, dynamics.debt, self.config)
-        queued = queued_decision(decision, priority, retry_after_s)
         self._seq += 1
         entry = RequestRecord(request.request_id, record, queued, request.input_tokens, now, self._seq)
         entry.state, entry.own, entry.request = WAITING, True, request
@@ -536,47 +533,35 @@ class AdmissionLedger:
     def _request_under_quota(self, entitlement_id: str, request: AdmissionRequest, now: float,
                              limits: EntitlementLimits | None, quota: QuotaClaim) -> LedgerResult:
         """The quota's reservation first (refused: quota_exceeded, before the five checks), then the offer;
-        an offer the checks reject gives the reservation back."""
+        an offer the checks reject gives the reservation back (`apps.policy.quota_offer.quota_offer`)."""
         if request.request_id in self._requests:
             return self.request(entitlement_id, request, now, limits)  # rejected as a duplicate, quota untouched
-        verdict = self.quotas.reserve(quota, now)
-        step = after_reserve(quota, verdict)  # the sequence of apps.policy.quota_offer
-        if step.demoted is not None:
-            return self._request_demoted(entitlement_id, request, now, limits, step.demoted, verdict)
-        if step.refusal is not None:
-            self.counters.offered += 1
-            rejected = self._rejected(None, step.refusal)
-            return LedgerResult(rejected.decision, quota=verdict)
-        result = self.request(entitlement_id, request, now, limits)
-        if refunds(result.decision):
-            self.quotas.refund(request.request_id)
-            verdict = self.quotas.verdict(quota)
-        return LedgerResult(result.decision, result.started, result.evicted, verdict)
-
-    def _request_demoted(self, entitlement_id: str, request: AdmissionRequest, now: float,
-                         limits: EntitlementLimits | None, claim: QuotaClaim, exhausted: QuotaVerdict) -> LedgerResult:
-        """A request whose used-up quota says `on_exceeded: spot`: offered under the entitlement's spot tier,
-        holding its share of the quotas that say `reject` (which may still refuse it). Its quota standing is
-        the used-up quota's (`apps.policy.tiers`)."""
         record = self._entitlements.get(entitlement_id)
         if limits is not None and (record is None or limits != record.limits):
-            self.upsert_entitlement(limits, now)  # its tier's room counts its idle reservation (`_tier_pool`)
+            self.upsert_entitlement(limits, now)  # a demoted request's tier counts its idle reservation (`_tier_pool`)
             record = self._entitlements[entitlement_id]
-        if record is None or record.limits.state is not EntitlementState.BOUND:
-            return self.request(entitlement_id, request, now, limits)  # refused by check 1, quota untouched
-        hold = demoted_hold(claim)
-        if hold is not None:
-            held = self.quotas.reserve(hold, now)
-            refusal = after_reserve(hold, held).refusal
-            if refusal is not None:
-                self.counters.offered += 1
-                rejected = self._rejected(None, refusal)
-                return LedgerResult(rejected.decision, quota=held)
-        tier = record.limits.tier_limits(DEMOTED_CLASS)
-        result = self.request(tier.entitlement_id, request, now, tier)  # which keeps the tier's record in step
-        if hold is not None and refunds(result.decision):
-            self.quotas.refund(request.request_id)
-        return LedgerResult(result.decision, result.started, result.evicted, exhausted)
+        bound = record is not None and record.limits.state is EntitlementState.BOUND
+
+        def answer(step: Step) -> Any:
+            if isinstance(step, Reserve):
+                return self.quotas.reserve(step.claim, now)
+            if isinstance(step, Decide):
+                if not step.demoted:
+                    return self.request(entitlement_id, request, now, limits)
+                assert record is not None
+                tier = record.limits.tier_limits(DEMOTED_CLASS)
+                return self.request(tier.entitlement_id, request, now, tier)  # which keeps the tier's record in step
+            if isinstance(step, Refund):
+                return self.quotas.refund(step.claim.request_id)
+            return self.quotas.verdict(step.claim)
+
+        outcome = run_sync(quota_offer(quota, bound=bound), answer)
+        if outcome.offer is None:
+            assert outcome.refusal is not None
+            self.counters.offered += 1
+            return LedgerResult(self._rejected(None, outcome.refusal).decision, quota=outcome.verdict)
+        result: LedgerResult = outcome.offer
+        return LedgerResult(result.decision, result.started, result.evicted, outcome.verdict)
 
     def release(
         self, request_id: str, now: float, output_tokens: float | None = None, prompt_tokens: float | None = None

@@ -10,6 +10,7 @@ refill time, or the earliest expected end among the entitlement's running reques
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from apps.policy.admission import (
     DEFAULT_ADMISSION_CONFIG,
@@ -38,6 +39,23 @@ def own_queue_route(limits: EntitlementLimits, decision: AdmissionDecision, queu
     if limits.own_queue_max <= 0 or limits.own_queue_wait_s <= 0:
         return None
     return FULL if queue_length >= limits.own_queue_max else ENQUEUE
+
+
+def own_limits_decision(limits: EntitlementLimits, decision: AdmissionDecision, queue_length: int,
+                        retry_s: Callable[[AdmissionDecision], float],
+                        priority: Callable[[], float]) -> tuple[AdmissionDecision, str | None]:
+    """`admit`'s decision once the entitlement's own queue has had its say, and the route it took: `ENQUEUE` (the
+    request joins the queue: a `queued_decision`), `FULL` (refused as queue_full), or None (the decision stands;
+    refused by its own limits, its Retry-After is when the entitlement will have room). `retry_s` (`own_retry_s`
+    on the state) and `priority` (`offered_priority`) are asked only when needed. A tier has no queue."""
+    route = None if limits.tier_of else own_queue_route(limits, decision, queue_length)
+    if route == FULL:
+        return full_decision(decision, retry_s(decision)), FULL
+    if route == ENQUEUE:
+        return queued_decision(decision, priority(), retry_s(decision)), ENQUEUE
+    if not decision.admitted and not decision.queued and decision.retryable and decision.reason in OWN_LIMIT_REASONS:
+        return decision._replace(retry_after_s=retry_s(decision)), None
+    return decision, None
 
 
 def own_retry_s(decision: AdmissionDecision, oldest_start: float | None, now: float,

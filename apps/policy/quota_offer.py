@@ -9,13 +9,17 @@ follow (issue 25: it was written twice, in `AdmissionLedger` and again in `apps/
                                   (`settlement`: at what it used)
 
 The ledger reserves, offers and refunds in this process and synchronously, the Redis store in Lua and
-asynchronously; so nothing here calls them: each function says what comes next, given what the last step
-returned, and the two drivers of the sequence stay a few lines each.
+asynchronously; so the sequence (`quota_offer`) calls neither: it is a generator that yields each step
+(`Reserve`, `Decide`, `Refund`, `Verdict`) and is sent what the step returned, and each store answers the
+steps its own way (`run_sync`, `run_async`). The order of the steps and every decision between them are here
+once; a store only says how it reserves, offers and refunds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from apps.policy.admission import AdmissionDecision, Reason
 from apps.policy.quota import QuotaClaim, QuotaVerdict
@@ -91,3 +95,114 @@ def settlement(outcome: str, input_tokens: int, max_tokens: int, output_tokens: 
     if outcome == OUTCOME_CANCELLED:
         return 0, 0
     return _count(prompt_tokens, 0), _count(output_tokens, 0)
+
+
+# --- the sequence, step by step -------------------------------------------------------------------------
+
+
+class Decided(Protocol):
+    """What a store's offer returns (the ledger's `LedgerResult`, the gateway's `Offer`): its decision."""
+
+    @property
+    def decision(self) -> AdmissionDecision: ...
+
+
+D = TypeVar("D", bound=Decided)
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Reserve the claim's prompt plus max_tokens under its quotas, all or nothing (answer: a `QuotaVerdict`)."""
+
+    claim: QuotaClaim
+
+
+@dataclass(frozen=True, slots=True)
+class Decide:
+    """Run the checks and start, queue or reject the request (answer: the store's offer, with its `decision`),
+    as its entitlement's own class or, `demoted`, as its spot tier. `hold`: the claim whose reservation it holds
+    meanwhile (a store gives it back should the offer fail), or None."""
+
+    hold: QuotaClaim | None
+    demoted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Refund:
+    """Give the claim's reservation back (answer: None)."""
+
+    claim: QuotaClaim
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Where the claim's quotas stand now, nothing reserved (answer: a `QuotaVerdict`, for the headers)."""
+
+    claim: QuotaClaim
+
+
+Step = Reserve | Decide | Refund | Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaOutcome(Generic[D]):
+    """How an offer under quotas ended: the store's offer (None: refused before the checks, by `refusal`),
+    where its quotas stand (None: no quota applies to it), and the claim it holds until its release settles it
+    (None: it holds none)."""
+
+    offer: D | None
+    refusal: AdmissionDecision | None
+    verdict: QuotaVerdict | None
+    hold: QuotaClaim | None
+
+
+def quota_offer(claim: QuotaClaim, *, bound: bool) -> Generator[Step, Any, QuotaOutcome[Any]]:
+    """An offer under `claim`, as the steps a store answers. `bound`: whether the request's entitlement is bound
+    (a demoted request of one that is not is offered as it is, to be refused by check 1, its quota untouched)."""
+    verdict = yield Reserve(claim)
+    step = after_reserve(claim, verdict)
+    if step.refusal is not None:
+        return QuotaOutcome(None, step.refusal, verdict, None)
+    if step.demoted is None:
+        offer = yield Decide(claim)
+        if refunds(offer.decision):
+            yield Refund(claim)
+            return QuotaOutcome(offer, None, (yield Verdict(claim)), None)
+        return QuotaOutcome(offer, None, verdict, claim)
+    if not bound:
+        return QuotaOutcome((yield Decide(None)), None, None, None)
+    hold = demoted_hold(step.demoted)
+    if hold is not None:
+        held = yield Reserve(hold)
+        refusal = after_reserve(hold, held).refusal
+        if refusal is not None:
+            return QuotaOutcome(None, refusal, held, None)
+    offer = yield Decide(hold, demoted=True)
+    if hold is not None and refunds(offer.decision):
+        yield Refund(hold)
+        hold = None
+    # Its standing is the used-up quota's, the one that demoted it (`apps.policy.tiers`).
+    return QuotaOutcome(offer, None, verdict, hold)
+
+
+def run_sync(sequence: Generator[Step, Any, QuotaOutcome[Any]], answer: Callable[[Step], Any]) -> QuotaOutcome[Any]:
+    """Drive the sequence with a store that answers each step at once (the ledger)."""
+    reply: Any = None
+    while True:
+        try:
+            step = sequence.send(reply)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        reply = answer(step)
+
+
+async def run_async(sequence: Generator[Step, Any, QuotaOutcome[Any]],
+                    answer: Callable[[Step], Awaitable[Any]]) -> QuotaOutcome[Any]:
+    """Drive the sequence with a store whose answers are awaited (the Redis store)."""
+    reply: Any = None
+    while True:
+        try:
+            step = sequence.send(reply)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        reply = await answer(step)

@@ -9,6 +9,7 @@ from dataclasses import astuple, replace
 from typing import Any
 
 from apps.gateway.memory_state import MemoryStateStore
+from apps.gateway.peers import RedisPeers
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import GatewayStateStore, Reservation
@@ -39,7 +40,7 @@ from tests.conformance.scenarios import (
     Tick,
     Usage,
 )
-from tests.conformance.transitions import Capacity, Leases, Race, Remove, Saturation
+from tests.conformance.steps import Capacity, Leases, Race, Remove, Saturation
 
 POOL = "conformance"
 
@@ -334,9 +335,9 @@ class StoreDriver:
 
     async def _reap(self, step: Leases) -> dict[str, Any]:
         store, now = self.store, self.clock.now()
-        if self.leases is None:
-            await store.leases_renew(pool=POOL, request_ids=list(step.renew))
-            return {"reaped": await store.leases_reap(pool=POOL)}
+        if self.leases is None:  # as the gateway's lease tick drives them (`apps.gateway.peers.RedisPeers`)
+            assert isinstance(store, RedisStateStore)
+            return {"reaped": await RedisPeers(store).leases(pool=POOL, request_ids=step.renew)}
         self.leases.renew(step.renew, now)
         reaped = 0
         for rid in self.leases.lapsed(now):

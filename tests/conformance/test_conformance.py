@@ -14,7 +14,8 @@ import pytest
 from apps.policy import ManualClock
 from tests.conformance.drivers import LedgerDriver, StoreDriver
 from tests.conformance.scenarios import SCENARIOS, At, Offer, Scenario, Usage
-from tests.conformance.transitions import TRANSITION_SCENARIOS, Race
+from tests.conformance.steps import Race
+from tests.conformance.transitions import TRANSITION_SCENARIOS
 
 pytestmark = pytest.mark.conformance
 

@@ -5,10 +5,9 @@ on the ledger, the in-process store and the Redis store, every observation compa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tests.conformance.scenarios import (
     At,
+    Bind,
     Cancel,
     Complete,
     Expire,
@@ -21,51 +20,7 @@ from tests.conformance.scenarios import (
     ent,
     quota,
 )
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """The snapshot's capacity of the pool changes (replicas gone or added): a shrink cancels nothing and new
-    work waits for releases; a growth starts waiters."""
-
-    slots: int
-    kv_capacity: float | None = None
-
-
-@dataclass(frozen=True)
-class Saturation:
-    """The pool's saturation signal as the snapshot has it (1.0 and above: its backends' queues are full)."""
-
-    value: float
-
-
-@dataclass(frozen=True)
-class Leases:
-    """The holders renew the leases of `renew` (for `Scenario.lease_s` from now); then every request whose
-    lease lapsed is released as its process died: a waiting one cancelled, a running one completed with its
-    usage unknown (its whole charge spent). `reaped`: how many were released."""
-
-    renew: tuple[str, ...] = ()
-    reaped: int | None = None
-
-
-@dataclass(frozen=True)
-class Race:
-    """Two offers decided on the same read of the pool: `early` is decided and committed in between `late`'s
-    read and its commit, so `late`'s commit meets a changed pool (the Redis store's compare-and-set fails)
-    and `late` must be decided again on a fresh read: the outcome is `early` then `late`, one after the other."""
-
-    late: Offer
-    early: Offer
-
-
-@dataclass(frozen=True)
-class Remove:
-    """The entitlement leaves the pool (deleted, moved): its running requests finish, its waiters in the pool's
-    room may still start, nothing of it leaves its queue, and its offers are refused as not bound."""
-
-    ent: str
-
+from tests.conformance.steps import Capacity, Leases, Race, Remove, Saturation
 
 TRANSITION_SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
@@ -374,6 +329,84 @@ TRANSITION_SCENARIOS: tuple[Scenario, ...] = (
             Expire(expect=("g2",)),
             Usage("gone", in_flight=0, running=0),
             Complete("s2", output=5),
+        ),
+    ),
+    Scenario(
+        "capacity: every replica gone (no slots): running work finishes, new work waits or is refused; a replica "
+        "back starts the highest class first, the rest expire",
+        Pool(slots=3),
+        (ent("chat", "guaranteed", concurrency=1), ent("batch", "elastic", concurrency=2),
+         ent("cheap", "spot", concurrency=4)),
+        (
+            Offer("s1", "cheap", expect="running"),
+            Offer("b1", "batch", expect="running"),
+            Capacity(0),
+            State("s1", expect="running"),
+            State("b1", expect="running"),
+            Offer("c1", "chat", expect="waiting", reason="queued"),
+            Offer("b2", "batch", expect="waiting", reason="queued"),
+            Offer("s2", "cheap", expect="rejected", reason="pool_contended"),
+            Complete("s1", output=5, started=()),
+            State("c1", expect="waiting"),
+            At(0.5),
+            Capacity(2),  # b1 still runs: one slot, to the guaranteed waiter
+            State("c1", expect="running"),
+            State("b2", expect="waiting"),
+            At(1.2),
+            Expire(expect=("b2",)),
+            Complete("b1", output=5, started=()),
+            Complete("c1", output=5),
+            Usage("batch", in_flight=0, running=0),
+            Usage("chat", in_flight=0, running=0),
+        ),
+    ),
+    Scenario(
+        "compare-and-set: two offers race for the pool's preemptible victims; each evicts its own, none twice, "
+        "and with none left both are refused",
+        Pool(slots=2),
+        (ent("scav", "preemptible", concurrency=2),
+         ent("vip", "elastic", concurrency=4, slo_target_ms=100.0)),
+        (
+            Offer("p1", "scav", expect="running"),
+            At(0.1),
+            Offer("p2", "scav", expect="running"),
+            # the latest preemptible request goes first: the early offer takes p2, the late one reads again, p1
+            Race(late=Offer("v2", "vip", expect="running", evicted=("p1",)),
+                 early=Offer("v1", "vip", expect="running", evicted=("p2",))),
+            State("p1", expect="gone"),
+            State("p2", expect="gone"),
+            Race(late=Offer("v4", "vip", expect="rejected", reason="pool_contended"),
+                 early=Offer("v3", "vip", expect="rejected", reason="pool_contended")),
+            Complete("p1", output=3, expect="unknown"),
+            Complete("p2", output=3, expect="unknown"),
+            Complete("v1", output=5, started=()),
+            Complete("v2", output=5),
+            Usage("vip", in_flight=0, running=0),
+            Usage("scav", in_flight=0, running=0),
+        ),
+    ),
+    Scenario(
+        "an entitlement removed while its requests wait in the pool's room: they still start on releases; bound "
+        "again, its held requests count against its concurrency",
+        Pool(slots=2),
+        (ent("gone", "elastic", concurrency=2), ent("cheap", "spot", concurrency=4)),
+        (
+            Offer("s1", "cheap", expect="running"),
+            Offer("s2", "cheap", expect="running"),
+            Offer("g1", "gone", expect="waiting", reason="queued"),
+            Offer("g2", "gone", expect="waiting", reason="queued"),
+            Remove("gone"),
+            State("g1", expect="waiting"),
+            Offer("g3", "gone", expect="rejected", reason="entitlement_not_bound"),
+            Complete("s1", output=5, started=("g1",)),
+            State("g2", expect="waiting"),
+            Usage("gone", in_flight=2, running=1),
+            Bind(ent("gone", "elastic", concurrency=2)),
+            Offer("g4", "gone", expect="rejected", reason="concurrency_limit_exceeded"),
+            Complete("s2", output=5, started=("g2",)),
+            Complete("g1", output=5, started=()),
+            Complete("g2", output=5),
+            Usage("gone", in_flight=0, running=0),
         ),
     ),
 )
