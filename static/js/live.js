@@ -12,7 +12,6 @@
   }
   var config = { responsive: true, displaylogo: false };
   var updates = 0;
-  var retryMs = 1000;
 
   function chart(fid) { return document.getElementById("fig-" + fid); }
 
@@ -63,25 +62,8 @@
     root.dataset.updates = String(updates);
   }
 
-  function connect() {
-    var scheme = window.location.protocol === "https:" ? "wss://" : "ws://";
-    var socket = new WebSocket(scheme + window.location.host + root.dataset.ws);
-    socket.onopen = function () {
-      retryMs = 1000;
-      statusEl.textContent = "live";
-    };
-    socket.onmessage = function (event) {
-      var message = JSON.parse(event.data);
-      if (message.type === "history") drawHistory(message.figures);
-      else if (message.type === "update") applyUpdate(message.traces);
-    };
-    socket.onclose = function () {
-      // A refused socket (signed out, no access) and a restarting server look alike here: retry slowly.
-      statusEl.textContent = "disconnected; retrying";
-      window.setTimeout(connect, retryMs);
-      retryMs = Math.min(retryMs * 2, 30000);
-    };
-  }
-
-  connect();
+  window.tokenpoolsLiveSocket(root.dataset.ws, statusEl, function (message) {
+    if (message.type === "history") drawHistory(message.figures);
+    else if (message.type === "update") applyUpdate(message.traces);
+  });
 })();

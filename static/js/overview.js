@@ -9,7 +9,6 @@
   if (!root) return;
   var config = { responsive: true, displaylogo: false };
   var updates = 0;
-  var retryMs = 1000;
 
   function apply(message) {
     if (typeof Plotly !== "undefined") {
@@ -23,23 +22,7 @@
     root.dataset.updates = String(updates);
   }
 
-  function connect() {
-    var scheme = window.location.protocol === "https:" ? "wss://" : "ws://";
-    var socket = new WebSocket(scheme + window.location.host + root.dataset.ws);
-    socket.onopen = function () {
-      retryMs = 1000;
-      statusEl.textContent = "live";
-    };
-    socket.onmessage = function (event) {
-      var message = JSON.parse(event.data);
-      if (message.type === "overview") apply(message);
-    };
-    socket.onclose = function () {
-      statusEl.textContent = "disconnected; retrying";
-      window.setTimeout(connect, retryMs);
-      retryMs = Math.min(retryMs * 2, 30000);
-    };
-  }
-
-  connect();
+  window.tokenpoolsLiveSocket(root.dataset.ws, statusEl, function (message) {
+    if (message.type === "overview") apply(message);
+  });
 })();

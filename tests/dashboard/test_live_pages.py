@@ -36,7 +36,7 @@ def test_operator_pool_page_has_every_chart_and_the_socket(superuser: Any, pool:
     assert 'data-ws="/ws/pools/qwen-pool/"' in html
     # Scripts come from this site only: plotly from the package, our JS from static/ (no CDN).
     scripts = re.findall(r'<script src="([^"]+)"', html)
-    assert scripts == ["/vendor/plotly.min.js", "/static/js/live.js"]
+    assert scripts == ["/vendor/plotly.min.js", "/static/js/live_socket.js", "/static/js/live.js"]
 
 
 def test_tenant_member_pool_page_leaves_out_pool_wide_kv(member: Any, acme_entitlement: Any) -> None:
