@@ -165,7 +165,7 @@ class Workload:
         now = self.loop.time
         if tenant.stop is not None and now >= tenant.stop:
             return
-        rate = tenant.rate_at(now)
+        rate = tenant.rate_at(now) if tenant.phases else tenant.rate
         if rate <= 0:
             # Idle phase: wake at the next phase boundary.
             upcoming = [p.at for p in tenant.phases if p.at > now]
@@ -180,7 +180,7 @@ class Workload:
             return
         self._send(tenant, attempt=0)
         next_time = now + self._gap(tenant, rate)
-        boundary = [p.at for p in tenant.phases if now < p.at <= next_time]
+        boundary = [p.at for p in tenant.phases if now < p.at <= next_time] if tenant.phases else None
         if boundary:
             self.loop.at(min(boundary), self._open_loop_arrival, tenant, True)
         else:
