@@ -850,14 +850,17 @@ class AdmissionLedger:
     def _drain(self, now: float) -> tuple[str, ...]:
         """Start waiting requests, highest priority first, while the pool has room for them; then let the
         entitlements' queues go, oldest head first."""
-        started = self._drain_waiting(now)
+        started = self._drain_waiting(now) if self._waiting_heap else []
         if self._queued_ents:
             started += self._drain_queues(now)
         return tuple(started)
 
     def _drain_queues(self, now: float) -> list[str]:
         started: list[str] = []
-        for record in sorted(self._queued_ents.values(), key=lambda r: r.queue[0].seq):
+        queued = self._queued_ents
+        # Oldest head first; one queue (the usual case) needs no sort.
+        order = list(queued.values()) if len(queued) == 1 else sorted(queued.values(), key=lambda r: r.queue[0].seq)
+        for record in order:
             while record.queue:
                 entry = record.queue[0]
                 limits = record.limits

@@ -301,7 +301,7 @@ class TokenPoolsAdmission:
     def offer_of(self, request: SimRequest) -> AdmissionRequest:
         """What the gateway offers the state machine for this request; a scenario's client asks for exactly the
         tokens it will get (a replay asks for its recorded max_tokens: `apps.simulator.replay`)."""
-        return AdmissionRequest(str(request.rid), request.prompt_tokens, max_tokens=request.output_tokens)
+        return AdmissionRequest(str(request.rid), request.prompt_tokens, request.output_tokens)  # max_tokens
 
     def _claim(self, tenant: str, request: AdmissionRequest, now: float) -> QuotaClaim | None:
         """The request's quota reservation, as the gateway's admission step builds it."""

@@ -200,17 +200,9 @@ class Workload:
             output = tenant.output.sample(rng)
         self._next_id += 1
         self.generated += 1
-        request = SimRequest(
-            self._next_id,
-            tenant.name,
-            prompt,
-            output,
-            self.loop.time,
-            slo_class=tenant.slo_class,
-            attempt=attempt,
-            origin=tenant,
-            slo_target_s=None if tenant.slo_target_ms is None else tenant.slo_target_ms / 1000,
-        )
+        # Positional, in SimRequest's order (rid, tenant, prompt, output, arrival, slo_class, attempt, origin, SLO).
+        request = SimRequest(self._next_id, tenant.name, prompt, output, self.loop.time, tenant.slo_class, attempt,
+                             tenant, None if tenant.slo_target_ms is None else tenant.slo_target_ms / 1000)
         self.gateway.submit(request)
 
     # ---- callbacks from the gateway --------------------------------------------------------------
