@@ -215,8 +215,13 @@ class Cluster:
         if self.routing_latency_s > 0:
             self.stats.in_routing += 1
             self.loop.after(self.routing_latency_s, self._route, request, True)
-        else:
-            self._route(request, False)
+            return
+        # `_route(request, False)`, written out: every request takes this path.
+        instance = self._pick()
+        if instance is None:
+            self._lost(request, "no_instance")
+            return
+        instance.enqueue(request)
 
     def pump(self) -> None:
         """Dispatch held requests while the adapter releases them."""
