@@ -6,6 +6,7 @@ simulated requests/s on one core).
     python -m bench.sim --requests 100000    # quicker
     python -m bench.sim --profile            # cProfile top entries on stderr
     python -m bench.sim --requests 200000 --against f487a72   # side by side with another commit's simulator
+    TOKENPOOLS_COMPILED=1 python -m bench.sim ...               # the mypyc build (make compile-sim) of this tree
 
 `--against REF` runs the same workload with the simulator of git commit REF (its tree exported to a temporary
 directory, run there in a subprocess) and with this tree's, alternately `--rounds` times each, and prints both
@@ -21,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from apps.compiled import active as compiled_active
 from apps.simulator.factory import build_admission
 from apps.simulator.simulation import SimConfig, Simulation
 from apps.simulator.workload import LengthSpec, TenantSpec
@@ -86,6 +88,7 @@ def run(num_requests: int) -> dict[str, Any]:
         "slot_fraction": summary["utilization"]["slot_fraction"],
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "compiled": compiled_active(),  # TOKENPOOLS_COMPILED=1: the mypyc build of the hot path (apps.compiled)
     }
 
 

@@ -208,7 +208,7 @@ class Workload:
     # ---- callbacks from the gateway --------------------------------------------------------------
     def request_done(self, request: SimRequest) -> None:
         """A request ended (completed or lost): a closed-loop client sends its next one."""
-        tenant: TenantSpec = request.origin
+        tenant: TenantSpec | None = request.origin  # None: a replayed or live request (no spec)
         if tenant is not None and tenant.concurrency > 0:
             # A failed request (instance lost, timed out in a queue) costs the client its backoff, so a cluster
             # with no instance online cannot spin a closed loop in zero virtual time.
@@ -218,7 +218,7 @@ class Workload:
             )
 
     def request_rejected(self, request: SimRequest, retry_after_s: float | None) -> None:
-        tenant: TenantSpec = request.origin
+        tenant: TenantSpec | None = request.origin  # None: a replayed or live request (no spec)
         if tenant is None:
             return
         wait = retry_after_s if retry_after_s is not None and retry_after_s > 0 else tenant.retry_backoff_s
