@@ -162,6 +162,15 @@ bench-apply: venv
 bench-sim: venv
 	$(BIN)/python -m bench.sim --requests 1000000 --write-results
 
+# Opt-in: the simulator's hot path compiled with mypyc (apps/compiled.py), loaded with TOKENPOOLS_COMPILED=1; the
+# conformance suite and the pre-change pins on it prove it gives the pure Python's results.
+.PHONY: compile-sim conformance-compiled
+compile-sim: venv
+	$(BIN)/python -m bench.compile_sim
+
+conformance-compiled: compile-sim system-deps
+	TOKENPOOLS_COMPILED=1 $(PYTEST) -q tests/conformance tests/simulator/test_speed_pins.py -p no:cacheprovider
+
 # The seed papers' experiments in virtual time: reports with Plotly figures under var/experiments/.
 sim-exp1: venv
 	$(BIN)/python -m apps.simulator.experiments exp1 --out var/experiments

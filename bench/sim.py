@@ -5,6 +5,12 @@ simulated requests/s on one core).
     python -m bench.sim                      # 1,000,000 requests
     python -m bench.sim --requests 100000    # quicker
     python -m bench.sim --profile            # cProfile top entries on stderr
+    python -m bench.sim --requests 200000 --against f487a72   # side by side with another commit's simulator
+    TOKENPOOLS_COMPILED=1 python -m bench.sim ...               # the mypyc build (make compile-sim) of this tree
+
+`--against REF` runs the same workload with the simulator of git commit REF (its tree exported to a temporary
+directory, run there in a subprocess) and with this tree's, alternately `--rounds` times each, and prints both
+best figures and their ratio: on a shared machine only runs this close together compare.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from apps.compiled import active as compiled_active
 from apps.simulator.factory import build_admission
 from apps.simulator.simulation import SimConfig, Simulation
 from apps.simulator.workload import LengthSpec, TenantSpec
@@ -81,6 +88,7 @@ def run(num_requests: int) -> dict[str, Any]:
         "slot_fraction": summary["utilization"]["slot_fraction"],
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "compiled": compiled_active(),  # TOKENPOOLS_COMPILED=1: the mypyc build of the hot path (apps.compiled)
     }
 
 
@@ -91,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write-results", action="store_true", help="rewrite the Simulator section of RESULTS.md"
     )
+    parser.add_argument("--against", metavar="REF", help="also run the simulator of git commit REF, side by side")
+    parser.add_argument("--rounds", type=int, default=2, help="with --against: runs of each, alternately")
     args = parser.parse_args(argv)
-    if args.requests < 1:
-        print("bench.sim: error: --requests must be positive", file=sys.stderr)
+    if args.requests < 1 or args.rounds < 1:
+        print("bench.sim: error: --requests and --rounds must be positive", file=sys.stderr)
         return 2
+    if args.against:
+        return side_by_side(args.against, args.requests, args.rounds)
     if args.profile:
         import cProfile
         import pstats
@@ -112,6 +124,43 @@ def main(argv: list[str] | None = None) -> int:
         write_results(result, args.requests)
     print(json.dumps(result, indent=2))
     return 0
+
+
+def side_by_side(ref: str, requests: int, rounds: int) -> int:
+    """This tree's simulator and commit `ref`'s on the same workload, alternately; the best run of each."""
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="bench-sim-") as tmp:
+        archive = subprocess.run(["git", "-C", str(here), "archive", ref], capture_output=True, check=False)
+        if archive.returncode != 0:
+            print(f"bench.sim: error: cannot export {ref!r}: {archive.stderr.decode().strip()}", file=sys.stderr)
+            return 2
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        command = [sys.executable, "-m", "bench.sim", "--requests", str(requests)]
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(rounds):
+            for label, cwd in ((ref, tmp), ("this tree", str(here))):
+                # `python -m` puts the working directory first on sys.path: each run imports its own tree.
+                out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=True).stdout
+                result = json.loads(out)
+                if label not in best or result["requests_per_wall_s"] > best[label]["requests_per_wall_s"]:
+                    best[label] = result
+    old, new = best[ref], best["this tree"]
+    same = all(old[key] == new[key] for key in ("completed", "rejected", "simulated_s", "events", "slot_fraction"))
+    print(json.dumps({
+        "requests": requests,
+        "rounds": rounds,
+        ref: {key: old[key] for key in ("requests_per_wall_s", "wall_s")},
+        "this tree": {key: new[key] for key in ("requests_per_wall_s", "wall_s")},
+        "speedup": round(new["requests_per_wall_s"] / old["requests_per_wall_s"], 2),
+        "same_results": same,
+        "load_1min": round(os.getloadavg()[0], 2),
+    }, indent=2))
+    return 0 if same else 1
 
 
 def write_results(result: dict[str, Any], requests: int) -> None:

@@ -437,6 +437,11 @@ def resolved_max_tokens(limits: EntitlementLimits, request: AdmissionRequest) ->
     return max_tokens
 
 
+# The two reasons of a decision that goes ahead, looked up once (an enum's `.value` is a Python-level property).
+_ADMITTED = Reason.ADMITTED.value
+_QUEUED = Reason.QUEUED.value
+
+
 def admit(
     limits: EntitlementLimits,
     usage: EntitlementUsage,
@@ -568,7 +573,7 @@ def admit(
     if not contended:
         return AdmissionDecision(
             True,
-            Reason.ADMITTED.value,
+            _ADMITTED,
             priority=priority,
             borrowed=borrowed,
             max_tokens=max_tokens,
@@ -589,7 +594,7 @@ def admit(
     )
     return AdmissionDecision(
         False,
-        Reason.QUEUED.value,
+        _QUEUED,
         retry_after_s=0.0,
         queued=True,
         evict=evict,

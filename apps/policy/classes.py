@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from apps.policy.errors import PolicyConfigError
 
@@ -84,25 +84,22 @@ class ClassTraits:
     # long (0: refused at once).
     queue_max: int = 0
     queue_max_wait_ms: float = 0.0
+    # Derived from the row once (every admission decision reads them; plain attributes, not properties):
+    # dedicated and guaranteed capacity is held for the entitlement even while it is idle (`reserved`); spot
+    # and preemptible have no baseline to owe them, so they never accumulate debt (`accrues_debt`).
+    reserved: bool = field(init=False, repr=False, compare=False)
+    accrues_debt: bool = field(init=False, repr=False, compare=False)
+    evictable: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def reserved(self) -> bool:
-        """Dedicated and guaranteed capacity is held for the entitlement even while it is idle."""
-        return self.baseline is Baseline.RESERVED
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reserved", self.baseline is Baseline.RESERVED)
+        object.__setattr__(self, "accrues_debt", self.baseline is not Baseline.NONE)
+        object.__setattr__(self, "evictable", self.shrink is Shrink.EVICT)
 
     @property
     def binds_capacity(self) -> bool:
         """Binding fits the baseline into the pool's capacity: reserved, or time-averaged for elastic."""
         return self.baseline is not Baseline.NONE
-
-    @property
-    def accrues_debt(self) -> bool:
-        """Spot and preemptible have no baseline to owe them, so they never accumulate debt."""
-        return self.baseline is not Baseline.NONE
-
-    @property
-    def evictable(self) -> bool:
-        return self.shrink is Shrink.EVICT
 
 
 class ServiceClass(enum.StrEnum):

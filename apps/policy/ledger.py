@@ -154,6 +154,9 @@ class LedgerCounters:
 
 def used_parts(record: RequestRecord, output_tokens: float | None, prompt_tokens: float | None) -> tuple[int, int]:
     """What a finished request consumed of its charge (`apps.policy.quota_offer.consumed`)."""
+    if prompt_tokens is None and type(output_tokens) is int:
+        # `consumed` for the common release (an int output count, the prompt as admitted), without its checks.
+        return record.input_tokens, min(output_tokens if output_tokens > 0 else 0, record.max_tokens)
     return consumed(record.input_tokens, record.max_tokens, output_tokens, prompt_tokens)
 
 
@@ -345,32 +348,37 @@ class AdmissionLedger:
 
     def usage(self, entitlement_id: str, now: float) -> EntitlementUsage:
         record = self._entitlements[entitlement_id]
+        bucket = record.bucket
+        dynamics = record.dynamics
+        # Positional, in EntitlementUsage's field order: every decision builds one (make bench-sim).
         return EntitlementUsage(
-            in_flight=record.in_flight,
-            kv_bytes_in_flight=record.kv_in_flight,
-            running=record.running,
-            kv_bytes_running=record.kv_running,
-            tokens_available=math.inf if record.bucket is None else record.bucket.level(now),
-            debt=record.dynamics.debt,
-            burst=record.dynamics.burst,
+            record.in_flight,  # in_flight
+            record.kv_in_flight,  # kv_bytes_in_flight
+            record.running,  # running
+            record.kv_running,  # kv_bytes_running
+            math.inf if bucket is None else bucket._refill(now),  # tokens_available
+            dynamics.debt,
+            dynamics.burst,
         )
 
     def pool_usage(self) -> PoolUsage:
-        lowest = self._lowest_evictable()
+        lowest = self._lowest_evictable() if self._evictable_heap else None
+        budget = self.budget
+        # Positional, in PoolUsage's field order: every decision builds one (make bench-sim).
         return PoolUsage(
-            concurrency_capacity=self.dispatch_capacity,
-            kv_capacity=self.kv_capacity,
-            running=self.running,
-            kv_bytes_running=self.kv_running,
-            reserved_idle_concurrency=self.reserved_idle_slots,
-            reserved_idle_kv=self.reserved_idle_kv,
-            saturation=self.saturation,
-            admission_threshold=self.admission_threshold(),
-            mean_slo_ms=self._mean_slo_ms,
-            lowest_evictable_priority=None if lowest is None else lowest[0],
-            evictable_running=self.evictable_running,
-            evictable_kv_bytes=self.evictable_kv,
-            budget_bound=self._budget_bound(),
+            self.dispatch_capacity,  # concurrency_capacity
+            self.kv_capacity,  # kv_capacity
+            self.running,  # running
+            self.kv_running,  # kv_bytes_running
+            self.reserved_idle_slots,  # reserved_idle_concurrency
+            self.reserved_idle_kv,  # reserved_idle_kv
+            self.saturation,  # saturation
+            self.admission_threshold() if self._priority_heap else -math.inf,  # admission_threshold
+            self._mean_slo_ms,  # mean_slo_ms
+            None if lowest is None else lowest[0],  # lowest_evictable_priority
+            self.evictable_running,  # evictable_running
+            self.evictable_kv,  # evictable_kv_bytes
+            budget is not None and budget <= self.running < self.concurrency_capacity,  # budget_bound
         )
 
     @property
@@ -827,14 +835,17 @@ class AdmissionLedger:
     def _drain(self, now: float) -> tuple[str, ...]:
         """Start waiting requests, highest priority first, while the pool has room for them; then let the
         entitlements' queues go, oldest head first."""
-        started = self._drain_waiting(now)
+        started = self._drain_waiting(now) if self._waiting_heap else []
         if self._queued_ents:
             started += self._drain_queues(now)
         return tuple(started)
 
     def _drain_queues(self, now: float) -> list[str]:
         started: list[str] = []
-        for record in sorted(self._queued_ents.values(), key=lambda r: r.queue[0].seq):
+        queued = self._queued_ents
+        # Oldest head first; one queue (the usual case) needs no sort.
+        order = list(queued.values()) if len(queued) == 1 else sorted(queued.values(), key=lambda r: r.queue[0].seq)
+        for record in order:
             while record.queue:
                 entry = record.queue[0]
                 limits = record.limits

@@ -266,20 +266,26 @@ class TokenPoolsAdmission:
     # ---- the gateway's calls ---------------------------------------------------------------------
     def decide(self, request: SimRequest) -> GateDecision:
         now = self.cluster.loop.time
-        key = str(request.rid)
         offered = self.offer_of(request)
-        result = self.ledger.request(request.tenant, offered, now, quota=self._claim(request.tenant, offered, now))
+        key = offered.request_id
+        tenant = request.tenant
+        # Most scenarios have no quota: skip building the claim (`_claim` returns None for them).
+        claim = self._claim(tenant, offered, now) if self.quotas else None
+        result = self.ledger.request(tenant, offered, now, quota=claim)
         decision = result.decision
-        for evicted in result.evicted:
-            victim = self.live.pop(evicted, None)
-            if victim is not None:
-                self.cluster.evict(victim, "evicted")
-                # As the gateway does once the victim's stream is cut: settles its quota, if any.
-                self.ledger.release(evicted, now, victim.generated)
-        served = decision.served_class or str(self.limits[request.tenant].service_class)
+        if result.evicted:
+            for evicted in result.evicted:
+                victim = self.live.pop(evicted, None)
+                if victim is not None:
+                    self.cluster.evict(victim, "evicted")
+                    # As the gateway does once the victim's stream is cut: settles its quota, if any.
+                    self.ledger.release(evicted, now, victim.generated)
+        served = decision.served_class or str(self.limits[tenant].service_class)
         if decision.admitted:
             self.live[key] = request
-            self._collect(tuple(s for s in result.started if s != key))
+            started = result.started
+            if started != (key,) or self.ready:  # the common case: it started alone, nothing to hand back
+                self._collect(tuple(s for s in started if s != key))
             return GateDecision("admit", decision.reason, priority=decision.priority, served_class=served)
         if decision.queued:
             self.held[key] = request
@@ -295,7 +301,7 @@ class TokenPoolsAdmission:
     def offer_of(self, request: SimRequest) -> AdmissionRequest:
         """What the gateway offers the state machine for this request; a scenario's client asks for exactly the
         tokens it will get (a replay asks for its recorded max_tokens: `apps.simulator.replay`)."""
-        return AdmissionRequest(str(request.rid), request.prompt_tokens, max_tokens=request.output_tokens)
+        return AdmissionRequest(str(request.rid), request.prompt_tokens, request.output_tokens)  # max_tokens
 
     def _claim(self, tenant: str, request: AdmissionRequest, now: float) -> QuotaClaim | None:
         """The request's quota reservation, as the gateway's admission step builds it."""
@@ -353,7 +359,8 @@ class TokenPoolsAdmission:
             return
         produced = request.generated if request.outcome.startswith("lost") else request.output_tokens
         result = self.ledger.release(key, self.cluster.loop.time, produced)
-        self._collect(result.started)
+        if result.started or self.ready:
+            self._collect(result.started)
         if self.own_held:
             self._schedule_wake()
 

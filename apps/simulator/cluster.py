@@ -17,7 +17,7 @@ from backends.virtual_vllm.instance import Instance, SimRequest
 ROUTING_POLICIES = ("round-robin", "least-loaded", "kv-aware")
 
 
-@dataclass
+@dataclass(slots=True)
 class GateDecision:
     """What an admission adapter tells the gateway: admit now, hold in the gateway queue, or reject."""
 
@@ -190,7 +190,8 @@ class Cluster:
             tenant.rejected += 1
             tenant.denials[decision.reason] += 1
             request.outcome = decision.reason or "rejected"
-            self._emit("rejected", request)
+            if self.listeners:
+                self._emit("rejected", request)
             self.on_request_rejected(request, decision.retry_after_s)
             return
         stats.injected += 1
@@ -201,7 +202,8 @@ class Cluster:
         request.served_class = decision.served_class
         if decision.served_class:
             tenant.served_by_tier[decision.served_class] += 1
-        self._emit("admitted", request)
+        if self.listeners:
+            self._emit("admitted", request)
         if decision.outcome == "admit":
             self._dispatch(request)
         # "queue": the adapter holds it and hands it back through next_dispatch()
@@ -213,8 +215,13 @@ class Cluster:
         if self.routing_latency_s > 0:
             self.stats.in_routing += 1
             self.loop.after(self.routing_latency_s, self._route, request, True)
-        else:
-            self._route(request, False)
+            return
+        # `_route(request, False)`, written out: every request takes this path.
+        instance = self._pick()
+        if instance is None:
+            self._lost(request, "no_instance")
+            return
+        instance.enqueue(request)
 
     def pump(self) -> None:
         """Dispatch held requests while the adapter releases them."""
@@ -252,7 +259,8 @@ class Cluster:
 
     # ---- instance callbacks ----------------------------------------------------------------------
     def _first_token(self, request: SimRequest) -> None:
-        self._emit("first_token", request)
+        if self.listeners:
+            self._emit("first_token", request)
 
     def _finish(self, request: SimRequest) -> None:
         stats = self.stats
@@ -268,7 +276,8 @@ class Cluster:
             tenant.queue_wait.append(request.dispatched_at - request.arrival)  # type: ignore[operator]
         request.outcome = "completed"
         self.admission.on_done(request)
-        self._emit("finished", request)
+        if self.listeners:
+            self._emit("finished", request)
         self.on_request_done(request)
         self.pump()
 

@@ -51,6 +51,17 @@ class EventLoop:
         heap = self._heap
         pop = heapq.heappop
         count = 0
+        if until is None and stop is None:
+            # The common run (to the end, no progress callback): the same loop with nothing else to check.
+            while heap and self._live:
+                when, _, callback, args, daemon = pop(heap)
+                if not daemon:
+                    self._live -= 1
+                self.time = when
+                callback(*args)
+                count += 1
+            self.events_run += count
+            return
         while heap:
             if until is None:
                 if self._live == 0:

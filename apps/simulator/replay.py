@@ -110,8 +110,11 @@ class _Replayed(SimRequest):
 class ReplayAdmission(TokenPoolsAdmission):
     """Token-pools admission with the pool's real limits (the snapshot's, not a scenario's) and KV bytes."""
 
-    def __init__(self, pool: PoolPicture, **kwargs: Any) -> None:
-        super().__init__([TenantSpec(name) for name in pool.entitlements], mean_slo_ms=pool.mean_slo_ms, **kwargs)
+    def __init__(self, pool: PoolPicture, *, seed: int = 0, tick_s: float = 1.0, config: AdmissionConfig | None = None,
+                 dynamics: DynamicsConfig | None = None) -> None:
+        # Named, not **kwargs: mypyc's compiled build (apps.compiled) mis-forwards **kwargs to a compiled __init__.
+        super().__init__([TenantSpec(name) for name in pool.entitlements], mean_slo_ms=pool.mean_slo_ms, seed=seed,
+                         tick_s=tick_s, config=config, dynamics=dynamics)
         self.limits = dict(pool.entitlements)
         self.pool = pool
 

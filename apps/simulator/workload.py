@@ -165,7 +165,7 @@ class Workload:
         now = self.loop.time
         if tenant.stop is not None and now >= tenant.stop:
             return
-        rate = tenant.rate_at(now)
+        rate = tenant.rate_at(now) if tenant.phases else tenant.rate
         if rate <= 0:
             # Idle phase: wake at the next phase boundary.
             upcoming = [p.at for p in tenant.phases if p.at > now]
@@ -180,7 +180,7 @@ class Workload:
             return
         self._send(tenant, attempt=0)
         next_time = now + self._gap(tenant, rate)
-        boundary = [p.at for p in tenant.phases if now < p.at <= next_time]
+        boundary = [p.at for p in tenant.phases if now < p.at <= next_time] if tenant.phases else None
         if boundary:
             self.loop.at(min(boundary), self._open_loop_arrival, tenant, True)
         else:
@@ -200,23 +200,15 @@ class Workload:
             output = tenant.output.sample(rng)
         self._next_id += 1
         self.generated += 1
-        request = SimRequest(
-            self._next_id,
-            tenant.name,
-            prompt,
-            output,
-            self.loop.time,
-            slo_class=tenant.slo_class,
-            attempt=attempt,
-            origin=tenant,
-            slo_target_s=None if tenant.slo_target_ms is None else tenant.slo_target_ms / 1000,
-        )
+        # Positional, in SimRequest's order (rid, tenant, prompt, output, arrival, slo_class, attempt, origin, SLO).
+        request = SimRequest(self._next_id, tenant.name, prompt, output, self.loop.time, tenant.slo_class, attempt,
+                             tenant, None if tenant.slo_target_ms is None else tenant.slo_target_ms / 1000)
         self.gateway.submit(request)
 
     # ---- callbacks from the gateway --------------------------------------------------------------
     def request_done(self, request: SimRequest) -> None:
         """A request ended (completed or lost): a closed-loop client sends its next one."""
-        tenant: TenantSpec = request.origin
+        tenant: TenantSpec | None = request.origin  # None: a replayed or live request (no spec)
         if tenant is not None and tenant.concurrency > 0:
             # A failed request (instance lost, timed out in a queue) costs the client its backoff, so a cluster
             # with no instance online cannot spin a closed loop in zero virtual time.
@@ -226,7 +218,7 @@ class Workload:
             )
 
     def request_rejected(self, request: SimRequest, retry_after_s: float | None) -> None:
-        tenant: TenantSpec = request.origin
+        tenant: TenantSpec | None = request.origin  # None: a replayed or live request (no spec)
         if tenant is None:
             return
         wait = retry_after_s if retry_after_s is not None and retry_after_s > 0 else tenant.retry_backoff_s

@@ -282,8 +282,11 @@ class Instance:
         counts = self.phase_counts
         full, rest = divmod(count, bs)
         total = full * len(self.running) if full else 0
-        for offset in range(rest):
-            total += counts[(first_step + offset) % bs]
+        if rest:
+            # counts[(first_step + offset) % bs] for offset < rest: one slice, or two where it wraps around.
+            start = first_step % bs
+            end = start + rest
+            total += sum(counts[start:end]) if end <= bs else sum(counts[start:]) + sum(counts[:end - bs])
         return total
 
     def _plan(self) -> None:
@@ -302,14 +305,14 @@ class Instance:
         admitted: list[SimRequest] = []
         prefill_tokens = 0
         prefill_square = 0
-        if self.waiting and len(running) < self.max_num_seqs:
+        waiting = self.waiting
+        if waiting and len(running) < self.max_num_seqs:
             limit = self.total_blocks - self.watermark_blocks
             budget = None if self.max_batched_tokens is None else self.max_batched_tokens - len(running)
-            waiting = self.waiting
             while waiting and len(running) + len(admitted) < self.max_num_seqs:
                 request = waiting[0]
                 prompt = request.prompt_tokens + request.generated
-                need = blocks_for(prompt, bs)
+                need = -(-prompt // bs) if prompt > 0 else 0  # blocks_for(prompt, bs)
                 if need > limit:
                     waiting.popleft()
                     self.dropped_unservable += 1
@@ -332,17 +335,20 @@ class Instance:
             dt = self.latency.step_time(prefill_tokens, prefill_square, decoding, context)
             self.used_blocks += decode_need
             first = steps + 1
+            heap = self.finish_heap
+            context_base = self.context_base
             for request in admitted:
-                prompt = request.prompt_tokens + request.generated
+                generated = request.generated
+                prompt = request.prompt_tokens + generated
                 request.run_prompt = prompt
                 request.start_step = first
                 phase = (first + 1 - prompt) % bs
                 request.block_phase = phase
                 counts[phase] += 1
-                self.context_base += prompt - first
+                context_base += prompt - first
                 running[request.rid] = request
-                finish = first + request.output_tokens - request.generated - 1
-                heapq.heappush(self.finish_heap, (finish, request.rid, request.epoch, request))
+                heapq.heappush(heap, (first + request.output_tokens - generated - 1, request.rid, request.epoch, request))
+            self.context_base = context_base
             self.prefilling = admitted
             count = 1
             allocations = decode_need

@@ -7,7 +7,7 @@ decode_seqs, context_tokens)`` in seconds; the instance calls it once per batch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -157,6 +157,11 @@ class RooflineLatency:
         return int(free // (block_size * self.model.kv_bytes_per_token))
 
 
+def _field_values(spec: GpuSpec | ModelGeometry) -> dict[str, Any]:
+    """A spec's fields by name (its `__dict__`, which the compiled build's classes do not have: apps.compiled)."""
+    return {item.name: getattr(spec, item.name) for item in fields(spec)}
+
+
 class HardwareConfigError(ValueError):
     pass
 
@@ -192,7 +197,7 @@ def load_hardware_file(path: str | Path) -> tuple[dict[str, GpuSpec], dict[str, 
     try:
         for name, spec in (data.get("gpus") or {}).items():
             base = gpus.get(name.lower())
-            values: dict[str, Any] = {**(base.__dict__ if base else {}), **spec, "name": name.lower()}
+            values: dict[str, Any] = {**(_field_values(base) if base else {}), **spec, "name": name.lower()}
             gpus[name.lower()] = GpuSpec(
                 name.lower(),
                 float(values["peak_flops"]),
@@ -206,7 +211,7 @@ def load_hardware_file(path: str | Path) -> tuple[dict[str, GpuSpec], dict[str, 
                 )
         for name, spec in (data.get("models") or {}).items():
             base_model = models.get(name.lower())
-            values = {**(base_model.__dict__ if base_model else {}), **spec, "name": name.lower()}
+            values = {**(_field_values(base_model) if base_model else {}), **spec, "name": name.lower()}
             models[name.lower()] = ModelGeometry(**values)
         if data.get("efficiency"):
             efficiency = replace(efficiency, **{k: float(v) for k, v in data["efficiency"].items()})

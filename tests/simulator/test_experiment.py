@@ -3,6 +3,7 @@ phases, per-phase figures, capacity events as replica switches, debt decay, and 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -143,6 +144,5 @@ def test_the_live_site_measures_debt_where_the_simulator_does() -> None:
     tenants = load_scenario(EXP2).config.tenants
     assert all(not t.entitlement.get("tokens_per_second") for t in tenants)
     assert scenario_site_env(tenants) == {"GATEWAY_DEBT_DIMENSION": "concurrency"}
-    with_rate = [type(t)(**{**t.__dict__, "entitlement": {**t.entitlement, "tokens_per_second": 500}})
-                 for t in tenants]
+    with_rate = [dataclasses.replace(t, entitlement={**t.entitlement, "tokens_per_second": 500}) for t in tenants]
     assert scenario_site_env(with_rate) == {}  # a declared rate: the paper's tokens/s on both sides
