@@ -42,6 +42,7 @@ pytestmark = [pytest.mark.slow]
 SCENARIO = REPO / "apps/simulator/scenarios/seed000_exp1_agreement.yaml"
 HORIZON_S = 60.0
 JOIN_S, LEAVE_S = 20.0, 40.0
+WARM_UPS = 2  # per key, before the clock starts (LiveWorkload's warm_up_requests)
 
 
 def _shortened() -> Scenario:
@@ -90,8 +91,10 @@ def test_a_replay_under_the_current_entitlements_agrees_with_the_live_run(
 
 
 def _assert_log_is_complete(rows: dict[str, Any], live: dict[str, Any]) -> None:
-    """What the request log recorded is what the clients saw (plus two warm-up requests per key, admitted)."""
+    """What the request log recorded is what the clients saw, plus the warm-up requests (two per key, not
+    counted by the clients): served, or an error (a worker's first request to Redis once answered
+    `state_store_unavailable`; the recorded column counts it as an error, the replay serves it)."""
     for name, figures in live.items():
         recorded = rows[name]["recorded"]
-        assert recorded["admitted"] == figures["admitted"] + 2, (name, recorded, figures)
-        assert recorded["rejected"] == figures["rejected"], (name, recorded, figures)
+        assert recorded["admitted"] + recorded["errors"] == figures["admitted"] + WARM_UPS, (name, recorded, figures)
+        assert recorded["errors"] <= WARM_UPS and recorded["rejected"] == figures["rejected"], (name, recorded, figures)
