@@ -41,7 +41,7 @@ def site_env(workdir: Path, extra: dict[str, str] | None = None, database: str =
     return env
 
 
-def replay_report(env: dict[str, str], *, since: str = "7d", until: str | None = None,
+def replay_report(env: dict[str, str], *, since: str = "1d", until: str | None = None,
                   proposed: Path | None = None, repo: Path = REPO) -> dict[str, Any]:
     """`manage.py replay --format json` against the site `env` names."""
     args = ["replay", "--since", since, "--format", "json", "--progress", "off"]

@@ -98,6 +98,10 @@ def test_replay_under_current_matches_what_was_recorded(window: TokenEntitlement
     assert times["prefill_ms_per_token"] == pytest.approx(0.1)
     assert times["decode_ms_per_token"] == pytest.approx(22.0 * (1 - 40 / 23.6 * 100 * 0.1 / 1000), rel=0.002)
     assert "proposed" not in row and report["window"]["records"] == COUNT
+    # Without a proposed manifest there is no proposed column to be missing from.
+    assert not any("under proposed" in c for c in report["caveats"]), report["caveats"]
+    # The entitlement was made (now) after the recorded window began: its limits held from the start in the replay.
+    assert any("'acme-chat' was created at" in c for c in report["caveats"]), report["caveats"]
 
 
 def test_halving_concurrency_refuses_more_and_is_never_persisted(window: TokenEntitlement, tmp_path: Path) -> None:
