@@ -12,8 +12,8 @@ TTFT and duration are what that request took *under the load it met* (its wait i
 replay under another manifest changes that load, and a request refused when recorded has no time at all. So
 the replay fits the simulator's fixed per-token model to the pool's served records (decode: median of
 (duration - TTFT) / (completion tokens - 1); prefill: a low percentile of (TTFT - wait - one decode step) /
-prompt tokens; `fit_latency` says why) and lets the
-simulated replicas (the pool's enabled replicas x slots, continuous batching) produce every request's times.
+prompt tokens; `fit_latency` says why) and lets the simulated replicas (the pool's enabled replicas x slots,
+continuous batching) produce every request's times.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def _prefill_steps(served: Sequence[Recorded], step_ms: float) -> list[float]:
     """Per prefill step, its prefill time per prompt token: the served records grouped by when their first
     token came (within a quarter of a decode step: one step's first tokens come out together, two steps' at
     least a step apart), each group's fastest first token (its last arrival) over the group's prompt tokens."""
-    firsts = sorted((r.arrived * 1000 + r.ttft_ms, r) for r in served if r.prompt_tokens > 0)  # type: ignore[operator]
+    firsts = sorted(((r.arrived * 1000 + r.ttft_ms, r) for r in served if r.prompt_tokens > 0),  # type: ignore[operator]
+                    key=lambda pair: pair[0])
     together_ms = step_ms / 4
     out: list[float] = []
     group: list[Recorded] = []

@@ -205,3 +205,14 @@ def test_latency_is_fitted_to_served_records_only() -> None:
     quick = Recorded(0.0, 1, "p", "e", 200, None, 11, "served", "", 0.0, 20.0, 520.0)
     assert fit_latency([quick]).prefill_ms_per_token == pytest.approx(0.1)
     assert RequestLogRecord.__name__  # the model the records come from
+
+
+def test_first_tokens_that_came_out_together_were_prefilled_together() -> None:
+    """Six closed-loop requests sent at once, 100 prompt tokens each, on a 100 ms-step replica prefilling 0.5 ms a
+    token: one step of 600 prompt tokens (300 ms) plus its decode step, so each first token took 400 ms. Charged
+    to each request's own 100 tokens that would be 3 ms a token; it is the step's 600 tokens at 0.5 ms."""
+    together = [Recorded(10.0, 1, "p", "e", 100, None, 11, "served", "", 0.0, 400.0, 1400.0) for _ in range(6)]
+    latency = fit_latency(together)
+    assert latency.prefill_ms_per_token == pytest.approx(0.5)
+    assert latency.decode_ms_per_token == pytest.approx(100.0)
+
