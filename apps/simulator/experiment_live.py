@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -243,11 +243,23 @@ async def _with_progress(work: Awaitable[list[LiveRecord]], horizon_s: float, la
     return task.result()
 
 
+def arm_env(arm: str, scenario: Scenario, redis_url: str | None = None) -> dict[str, str]:
+    """The settings an arm's site runs with beyond its database (the scenario's pricing, the store's)."""
+    env: dict[str, str] = scenario_site_env(scenario.config.tenants)
+    if arm == "redis":
+        assert redis_url is not None, "the redis arm needs a Redis"
+        env |= {"GATEWAY_STATE_BACKEND": "redis", "REDIS_URL": redis_url}
+    return env
+
+
 def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, progress: bool = True,
             redis_url: str | None = None, samples: list[dict[str, Any]] | None = None,
-            slots_per_replica: int | None = None) -> list[LiveRecord]:
+            slots_per_replica: int | None = None, static_entitlements: bool = False) -> list[LiveRecord]:
     """One live arm of the (already scaled) scenario; returns every request's record. With a gateway,
-    `samples` collects its `/metrics` view once a second."""
+    `samples` collects its `/metrics` view once a second. `static_entitlements`: every tenant's entitlement
+    is in place from the start and stays (no operator creating one when its tenant joins, deleting it when
+    it leaves; the clients still come and go at their times): one set of entitlements for the whole run,
+    what a replay of its request log under the current entitlements needs (`replay_check`)."""
     config = scenario.config
     assert config.horizon_s is not None
     horizon = float(config.horizon_s)
@@ -262,24 +274,22 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
     if config.capacity_events and len(backend.urls) < 2:
         raise ValueError("a scenario with capacity events needs at least 2 replicas live (--replicas 2): one is "
                          "taken out and brought back")
-    manifest = scenario_manifest(config.tenants, pool=POOL, owner=OWNER, backend_urls=list(backend.urls),
+    # The manifest has the entitlements present at the start (all of them, when static).
+    present = [replace(t, start=0.0) for t in config.tenants] if static_entitlements else config.tenants
+    manifest = scenario_manifest(present, pool=POOL, owner=OWNER, backend_urls=list(backend.urls),
                                  slots_per_replica=per_replica, model=backend.model)
     # Each arm on a fresh database and pool, also when a report folder is used again.
     (workdir / "site.sqlite3").unlink(missing_ok=True)
     site = prepare_site(workdir, tenants=[OWNER], manifest=manifest,
-                        key_for=[t.name for t in config.tenants if t.start == 0])
+                        key_for=[t.name for t in present if t.start == 0])
     token = admin_token(site.env)
-    env: dict[str, Any] = scenario_site_env(config.tenants)
-    workers = 1
-    if arm == "redis":
-        assert redis_url is not None, "the redis arm needs a Redis"
-        env |= {"GATEWAY_STATE_BACKEND": "redis", "REDIS_URL": redis_url}
-        workers = 2
+    env = arm_env(arm, scenario, redis_url)
+    workers = 2 if arm == "redis" else 1
     # With Redis (a broker) `serve` leaves the periodic ticks to Celery beat; the run starts them as an
     # operator would (`manage.py run_ticks`), else no EWMA tick would ever price debt or burst.
     ticks = running_ticks(site, env=env) if arm == "redis" else contextlib.nullcontext()
     with serving(site, env=env, workers=workers) as (url, _server), ticks:
-        join, leave = operator_hooks(url, token)
+        join, leave = (None, None) if static_entitlements else operator_hooks(url, token)
         workload = LiveWorkload(config.tenants, url=url, keys=site.keys, model=POOL, seed=config.seed,
                                 horizon_s=horizon, on_join=join, on_leave=leave)
 

@@ -10,13 +10,15 @@ KV bytes, the entitlements' limits), driven by the one admission state machine (
 Service times: a latency model fitted to the pool's recorded requests, not each record's own times. A record's
 TTFT and duration are what that request took *under the load it met* (its wait in a queue included); a
 replay under another manifest changes that load, and a request refused when recorded has no time at all. So
-the replay fits the simulator's fixed per-token model to the pool's served records (prefill: median of
-(TTFT - wait) / prompt tokens; decode: median of (duration - TTFT) / (completion tokens - 1)) and lets the
-simulated replicas (the pool's enabled replicas x slots, continuous batching) produce every request's times.
+the replay fits the simulator's fixed per-token model to the pool's served records (decode: median of
+(duration - TTFT) / (completion tokens - 1); prefill: a low percentile of (TTFT - wait - one decode step) /
+prompt tokens; `fit_latency` says why) and lets the simulated replicas (the pool's enabled replicas x slots,
+continuous batching) produce every request's times.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import Counter
@@ -35,6 +37,8 @@ from backends.virtual_vllm.instance import SimRequest
 # Fallback per-token times when a pool has no served record to fit them to (the simulator's defaults).
 DEFAULT_PREFILL_MS = SimConfig.prefill_ms_per_token
 DEFAULT_DECODE_MS = SimConfig.decode_ms_per_token
+# Which of the served records' first tokens (beyond one decode step) the prefill is fitted to (fit_latency).
+PREFILL_PERCENTILE = 10
 # The simulator's names of a wait that ran out, as the gateway records them (`Admitter._turned_away`).
 LOST_AS_REJECTED = {"queue_timeout": "queue_timeout", "expired": "pool_contended"}
 RECORDED_ADMITTED = frozenset({"served", "cancelled", "preempted", "timeout"})
@@ -83,18 +87,61 @@ class Latency:
 
 
 def fit_latency(records: Iterable[Recorded]) -> Latency:
-    """The fixed per-token model that the pool's served records imply (medians: robust to a few outliers)."""
-    prefill: list[float] = []
-    decode: list[float] = []
-    for r in records:
-        if r.outcome != "served" or r.ttft_ms is None:
-            continue
-        if r.prompt_tokens > 0:
-            prefill.append(max(0.0, r.ttft_ms - r.queue_ms) / r.prompt_tokens)
-        if r.completion_tokens > 1:
-            decode.append(max(0.0, r.duration_ms - r.ttft_ms) / (r.completion_tokens - 1))
-    return Latency(statistics.median(prefill) if prefill else DEFAULT_PREFILL_MS,
-                   statistics.median(decode) if decode else DEFAULT_DECODE_MS, max(len(prefill), len(decode)))
+    """The fixed per-token model that the pool's served records imply.
+
+    Decode: the median of (duration - TTFT) / (completion tokens - 1). Prefill: a low percentile
+    (`PREFILL_PERCENTILE`) of what a step's first tokens took beyond one decode step, per prompt token it
+    prefilled. Not the median of TTFT / prompt tokens: a first token also waits for the step in progress (up to
+    a whole step) and comes out of a step that decodes the others too, and in the model a prefill stalls every
+    running sequence for its length; a TTFT charged whole to the prefill (0.45 s of 64 prompt tokens on a
+    133 ms-step backend whose prefill is 0.5 ms a token) made each arrival stall the replayed batch by 0.44 s,
+    and the replayed pool served half what the live one did. The fastest first tokens are the requests that
+    arrived as a step began: the prefill plus that one step (or, sooner than a step, the prefill alone:
+    `_prefill_ms`). Requests whose first tokens came out together (closed-loop clients sending at once) were
+    prefilled in one step: their prompts are that step's tokens (`_prefill_steps`). Last, the decode time
+    measured live already includes the stalls of the others' prefills (the served rate times their prefill),
+    which the replay adds again: taken out of it."""
+    served = [r for r in records if r.outcome == "served" and r.ttft_ms is not None]
+    decode = [max(0.0, r.duration_ms - r.ttft_ms) / (r.completion_tokens - 1)  # type: ignore[operator]
+              for r in served if r.completion_tokens > 1]
+    decode_ms = statistics.median(decode) if decode else DEFAULT_DECODE_MS
+    prefill = _prefill_steps(served, decode_ms if decode else 0.0)
+    prefill_ms = percentile(prefill, PREFILL_PERCENTILE) if prefill else DEFAULT_PREFILL_MS
+    assert prefill_ms is not None
+    if decode and len(served) > 1:
+        span_s = max(r.arrived for r in served) - min(r.arrived for r in served)
+        if span_s > 0:
+            prefill_share = len(served) / span_s * statistics.fmean(r.prompt_tokens for r in served) * prefill_ms / 1000
+            decode_ms *= max(0.5, 1.0 - prefill_share)
+    return Latency(prefill_ms, decode_ms, max(len(prefill), len(decode)))
+
+
+def _prefill_steps(served: Sequence[Recorded], step_ms: float) -> list[float]:
+    """Per prefill step, its prefill time per prompt token: the served records grouped by when their first
+    token came (within a quarter of a decode step: one step's first tokens come out together, two steps' at
+    least a step apart), each group's fastest first token (its last arrival) over the group's prompt tokens."""
+    firsts = sorted(((r.arrived * 1000 + r.ttft_ms, r) for r in served if r.prompt_tokens > 0),  # type: ignore[operator]
+                    key=lambda pair: pair[0])
+    together_ms = step_ms / 4
+    out: list[float] = []
+    group: list[Recorded] = []
+    last = -math.inf
+    for at, record in [*firsts, (math.inf, None)]:
+        if group and (record is None or at - last > together_ms):
+            fastest = min(r.ttft_ms - r.queue_ms for r in group)  # type: ignore[operator]
+            out.append(_prefill_ms(fastest, step_ms) / sum(r.prompt_tokens for r in group))
+            group = []
+        if record is not None:
+            group.append(record)
+            last = at
+    return out
+
+
+def _prefill_ms(first_token_ms: float, step_ms: float) -> float:
+    """A first token's prefill: beyond the decode step its prefill step also ran; a first token sooner than a
+    decode step came out of a step that decoded nothing else (an idle replica): all of it was prefill."""
+    first_token_ms = max(0.0, first_token_ms)
+    return first_token_ms - step_ms if first_token_ms >= step_ms else first_token_ms
 
 
 class _Replayed(SimRequest):

@@ -165,7 +165,23 @@ def whatif_report(*, records: Sequence[Recorded], since: dt.datetime, until: dt.
         "records_per_second": round(replayed / wall) if wall > 0 else None,
     }
     report["caveats"] = _caveats(records, current, proposed, columns, latencies, since, oldest)
+    report["caveats"] += _created_during(records, start)
     return report
+
+
+def _created_during(records: Sequence[Recorded], start: float) -> list[str]:
+    """Entitlements with traffic in the window that were created after it began: the replay holds their limits
+    (their reservation) from the window's start, when the live pool did not have them yet. Only those with
+    recorded traffic (the records are already scoped to what the user may see)."""
+    from apps.pools.models import TokenEntitlement
+
+    names = {r.entitlement for r in records}
+    since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
+    late = TokenEntitlement.objects.filter(name__in=names, created_at__gt=since).values_list("name", "created_at")
+    return [f"Entitlement {name!r} was created at {created.isoformat()}, {(created - since).total_seconds():.0f} s "
+            f"into the window: the replay holds its limits (a reservation withheld from the others) from the "
+            f"window's start, when the live pool did not have it; replay the window from its creation on for a "
+            f"faithful comparison." for name, created in sorted(late)]
 
 
 def _assemble(records: Sequence[Recorded], recorded: dict[str, dict[str, Any]], recorded_ttft: dict[str, list[float]],
@@ -221,12 +237,15 @@ def _caveats(records: Sequence[Recorded], current: dict[str, PoolPicture], propo
         if latencies[pool_name].fitted_from == 0:
             out.append(f"Pool {pool_name!r} has no served request in the window: its service times are the "
                        f"simulator's defaults, not fitted.")
-    for label, pictures in (("current", current), ("proposed", proposed or {})):
+    for label, maybe in (("current", current), ("proposed", proposed)):
+        if maybe is None:  # no proposed manifest: no such column (not an empty one)
+            continue
+        pictures = maybe
         known = {ent for picture in pictures.values() for ent in picture.entitlements}
         for name in sorted(recorded_names - known):
             count = sum(1 for r in records if r.entitlement == name)
             out.append(f"Entitlement {name!r} has {count} recorded requests but does not exist under {label}: they "
-                       f"are not replayed there.")
+                       f"are not replayed there, and the room they held when recorded is free for the others.")
         if any(picture.has_quotas for picture in pictures.values()):
             out.append(f"Quotas ({label}) are not replayed: a request a quota would refuse is admitted.")
     if proposed is not None:

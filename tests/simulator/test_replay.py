@@ -93,8 +93,15 @@ def test_replay_under_current_matches_what_was_recorded(window: TokenEntitlement
     # it joins (the step that prefills it also decodes the requests in flight: 22 ms; and the step it waits for).
     assert 0.01 <= current["p50_ttft_s"] <= current["p99_ttft_s"] <= 0.01 + 2 * 0.022 + 0.01
     times = report["window"]["service_times"]["qwen3-8b"]
-    assert times["prefill_ms_per_token"] == pytest.approx(0.1) and times["decode_ms_per_token"] == pytest.approx(22.0)
+    # Decode: 22 ms less the share of the time the others' prefills took (40 served in ~24 s, 10 ms each: 1.7%),
+    # which the replayed steps add back.
+    assert times["prefill_ms_per_token"] == pytest.approx(0.1)
+    assert times["decode_ms_per_token"] == pytest.approx(22.0 * (1 - 40 / 23.6 * 100 * 0.1 / 1000), rel=0.002)
     assert "proposed" not in row and report["window"]["records"] == COUNT
+    # Without a proposed manifest there is no proposed column to be missing from.
+    assert not any("under proposed" in c for c in report["caveats"]), report["caveats"]
+    # The entitlement was made (now) after the recorded window began: its limits held from the start in the replay.
+    assert any("'acme-chat' was created at" in c for c in report["caveats"]), report["caveats"]
 
 
 def test_halving_concurrency_refuses_more_and_is_never_persisted(window: TokenEntitlement, tmp_path: Path) -> None:
@@ -192,5 +199,20 @@ def test_latency_is_fitted_to_served_records_only() -> None:
     served = Recorded(0.0, 1, "p", "e", 200, None, 11, "served", "", 50.0, 250.0, 750.0)
     refused = Recorded(0.0, 1, "p", "e", 200, None, 0, "rejected", "x", 0.0, None, 1.0)
     latency = fit_latency([served, refused])
-    assert (latency.prefill_ms_per_token, latency.decode_ms_per_token, latency.fitted_from) == (1.0, 50.0, 1)
+    # Prefill: what the first token took beyond its wait and the one decode step its step also ran, per token.
+    assert (latency.prefill_ms_per_token, latency.decode_ms_per_token, latency.fitted_from) == (0.75, 50.0, 1)
+    # A first token sooner than a decode step came out of a step that decoded nothing else: all prefill.
+    quick = Recorded(0.0, 1, "p", "e", 200, None, 11, "served", "", 0.0, 20.0, 520.0)
+    assert fit_latency([quick]).prefill_ms_per_token == pytest.approx(0.1)
     assert RequestLogRecord.__name__  # the model the records come from
+
+
+def test_first_tokens_that_came_out_together_were_prefilled_together() -> None:
+    """Six closed-loop requests sent at once, 100 prompt tokens each, on a 100 ms-step replica prefilling 0.5 ms a
+    token: one step of 600 prompt tokens (300 ms) plus its decode step, so each first token took 400 ms. Charged
+    to each request's own 100 tokens that would be 3 ms a token; it is the step's 600 tokens at 0.5 ms."""
+    together = [Recorded(10.0, 1, "p", "e", 100, None, 11, "served", "", 0.0, 400.0, 1400.0) for _ in range(6)]
+    latency = fit_latency(together)
+    assert latency.prefill_ms_per_token == pytest.approx(0.5)
+    assert latency.decode_ms_per_token == pytest.approx(100.0)
+

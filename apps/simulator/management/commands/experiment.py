@@ -79,6 +79,11 @@ class Command(BaseCommand):
         parser.add_argument("--out", default=None, help="report folder (default var/experiments/NAME-TIME)")
         parser.add_argument("--no-progress", action="store_true")
         parser.add_argument("--screenshot", default=None, help="also save a PNG of the overlay figure here")
+        parser.add_argument("--replay-check", action="store_true",
+                            help="after each gateway arm, replay its request log (manage.py replay) under the current "
+                            "entitlements and compare per entitlement with what was recorded (admitted within 10%%, "
+                            "refused within 25%%); the arms then keep every entitlement in place throughout (a joining "
+                            "tenant's is not created at its join nor deleted at its leave: apps.simulator.replay_check)")
 
     def handle(self, *args: Any, **options: Any) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -158,18 +163,29 @@ class Command(BaseCommand):
             for arm in arms:
                 self.stderr.write(f"live arm {arm} ({scaled.config.horizon_s:.0f} s)")
                 samples: list[dict[str, Any]] = []
-                if arm == "redis":
-                    with private_redis() as redis_url:
-                        records = run_arm(arm, scaled, backend, out / arm, progress=not options["no_progress"],
-                                          redis_url=redis_url, samples=samples, slots_per_replica=per_replica)
-                else:
+                check = bool(options["replay_check"]) and arm != "no-admission"
+                with private_redis() if arm == "redis" else contextlib.nullcontext() as redis_url:
                     records = run_arm(arm, scaled, backend, out / arm, progress=not options["no_progress"],
-                                      samples=samples, slots_per_replica=per_replica)
+                                      redis_url=redis_url, samples=samples, slots_per_replica=per_replica,
+                                      static_entitlements=bool(options["replay_check"]))
+                    if check:
+                        report.setdefault("replay_check", {})[arm] = self._replay_check(arm, scaled, out, redis_url)
                 result = _arm_result(live_outcomes(records), scaled, side="live", admission=arm != "no-admission")
                 result["gateway_samples"] = samples
                 result["debt"], result["priority"] = live_dynamics(samples)
                 report["arms"][f"live {arm}"] = result
         return self._finish(scaled, report)
+
+    def _replay_check(self, arm: str, scaled: Scenario, out: Path, redis_url: str | None) -> dict[str, Any]:
+        """The arm's request log replayed under its (current) entitlements, beside what was recorded."""
+        from apps.simulator.experiment_live import arm_env
+        from apps.simulator.replay_check import agreement, agreement_table, replay_report, site_env
+
+        replayed = replay_report(site_env(out / arm, arm_env(arm, scaled, redis_url)))
+        rows = agreement(replayed)
+        self.stdout.write(f"replay check, live {arm}:\n{agreement_table(rows)}\n"
+                          f"service times: {replayed['window']['service_times']}\n")
+        return {"agreement": rows, "window": replayed["window"], "caveats": replayed["caveats"]}
 
     @staticmethod
     def _backend(options: dict[str, Any], sized: Scenario) -> Any:

@@ -29,7 +29,8 @@ from apps.simulator.replay_site import (
 from apps.tenancy.services import SYSTEM
 
 SERVICE_TIMES = ("Service times: a per-token latency model fitted to the pool's recorded TTFT and per-token times "
-                 "(medians of the served records), not each record's own times: those are what a request took under "
+                 "(decode: the served records' median; prefill: what the fastest first tokens took beyond one "
+                 "decode step), not each record's own times: those are what a request took under "
                  "the load it met, and a replay under another manifest changes that load; a request refused when "
                  "recorded has no times at all.")
 
