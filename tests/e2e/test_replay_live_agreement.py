@@ -92,9 +92,11 @@ def test_a_replay_under_the_current_entitlements_agrees_with_the_live_run(
 
 def _assert_log_is_complete(rows: dict[str, Any], live: dict[str, Any]) -> None:
     """What the request log recorded is what the clients saw, plus the warm-up requests (two per key, not
-    counted by the clients): served, or an error (a worker's first request to Redis once answered
-    `state_store_unavailable`; the recorded column counts it as an error, the replay serves it)."""
+    counted by the clients), all served. (A warm-up request once answered `state_store_unavailable` on Redis: a
+    dashboard sample taken on a tick's own event loop had bound the gateway's Redis pool to that loop; fixed in
+    `apps.dashboard.telemetry`, so an error here is a defect again.)"""
     for name, figures in live.items():
         recorded = rows[name]["recorded"]
-        assert recorded["admitted"] + recorded["errors"] == figures["admitted"] + WARM_UPS, (name, recorded, figures)
-        assert recorded["errors"] <= WARM_UPS and recorded["rejected"] == figures["rejected"], (name, recorded, figures)
+        assert recorded["errors"] == 0, (name, recorded, figures)
+        assert recorded["admitted"] == figures["admitted"] + WARM_UPS, (name, recorded, figures)
+        assert recorded["rejected"] == figures["rejected"], (name, recorded, figures)
