@@ -117,6 +117,8 @@ else:
 
 # The largest manifest `apply` takes (REST body, or each file of the CLI), in bytes (apps.pools.manifests.limits).
 MANIFEST_MAX_BYTES = env_int("MANIFEST_MAX_BYTES", 1_048_576, at_least=1)
+# The most recorded requests a What if (REST or page) replays inside one web request; `manage.py replay` has no bound.
+WHATIF_MAX_RECORDS = env_int("WHATIF_MAX_RECORDS", 200_000, at_least=1)
 
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "memory://")
 CELERY_RESULT_BACKEND = None

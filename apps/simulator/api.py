@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
@@ -20,7 +21,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from apps.gateway.selectors import request_log_oldest
+from apps.gateway.selectors import request_log_oldest, request_log_window
 from apps.pools.manifests import ManifestError
 from apps.pools.manifests.limits import too_large
 from apps.pools.selectors import pool_get
@@ -90,6 +91,12 @@ def whatif_run(*, user: Any, pool: Any, tenants: set[str] | None, since: str, un
     included (`ttft_s`: the page's distributions). Raises ReplayInputError (a bad window; EmptyWindow: nothing
     recorded in it) or ManifestError (the manifest's errors, as apply raises them for `user`)."""
     window = parse_window(since, until, now=timezone.now())
+    held = request_log_window(user=SYSTEM, since=window[0], until=window[1], pool=pool.name).count()
+    if held > settings.WHATIF_MAX_RECORDS:
+        # A replay runs inside the web request: bounded as every other input is (the command has no bound).
+        raise ReplayInputError(f"--since: the window holds {held:,} recorded requests, more than the "
+                               f"{settings.WHATIF_MAX_RECORDS:,} a web request replays (WHATIF_MAX_RECORDS); narrow "
+                               "it, or run `manage.py replay`")
     records = read_records(user=SYSTEM, since=window[0], until=window[1], pool=pool.name)
     report = whatif_report(records=records, since=window[0], until=window[1], proposed_documents=manifest,
                            actor=user, pool=pool.name, oldest=request_log_oldest(user=SYSTEM),

@@ -94,3 +94,12 @@ def test_bad_input_is_answered_with_field_errors(shared_pool: None, admin: Any) 
     assert response.status_code == 400 and "since" in response.json()
     response = _post(admin, {"since": "2026-11-20T00:00:00Z", "until": "2026-11-21T00:00:00Z"})
     assert response.status_code == 400 and "no requests recorded" in response.json()["since"][0]
+
+
+def test_a_window_too_large_for_a_web_request_is_a_field_error(shared_pool: None, admin: Any,  # noqa: F811
+                                                               settings: Any) -> None:
+    settings.WHATIF_MAX_RECORDS = 100  # the window holds 120
+    response = _post(admin, {"since": SINCE, "until": UNTIL})
+    assert response.status_code == 400, response.content
+    assert "120 recorded requests" in response.json()["since"][0]
+    assert "WHATIF_MAX_RECORDS" in response.json()["since"][0]
