@@ -210,13 +210,9 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         return self._ssl_context
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        scheme = url.scheme
-        if scheme not in DEFAULT_PORTS:
-            raise httpx.UnsupportedProtocol(f"no {scheme!r} backends: http or https")
-        key = (scheme, url.host, url.port or DEFAULT_PORTS[scheme])
         body = await request.aread()  # already read for the bytes every caller sends
-        return await self._exchange(key, _head(request, len(body)) + body, request.extensions.get("timeout") or {})
+        return await self._exchange(_key(request.url), _head(request, len(body)) + body,
+                                    request.extensions.get("timeout") or {})
 
     async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
                    timeout: Mapping[str, float | None]) -> httpx.Response:
@@ -285,12 +281,16 @@ class UpstreamTransport(httpx.AsyncBaseTransport):
         self.idle.clear()
 
 
-def _origin(base_url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
-    url = httpx.URL(base_url)
+def _key(url: httpx.URL) -> tuple[str, str, int]:
+    """The idle connections `url` may use: its scheme, host and port."""
     if url.scheme not in DEFAULT_PORTS:
         raise httpx.UnsupportedProtocol(f"no {url.scheme!r} backends: http or https")
-    host = url.netloc  # with its port, when it has one
-    return (url.scheme, url.host, url.port or DEFAULT_PORTS[url.scheme]), host, url.raw_path.rstrip(b"/")
+    return url.scheme, url.host, url.port or DEFAULT_PORTS[url.scheme]
+
+
+def _origin(base_url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
+    url = httpx.URL(base_url)
+    return _key(url), url.netloc, url.raw_path.rstrip(b"/")  # netloc: the Host header, with the port it has
 
 
 def _header_line(name: str, value: str) -> bytes:
