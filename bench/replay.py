@@ -19,51 +19,39 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.support.manifests import documents, entitlement
+
 START = 1_790_000_000.0  # 2026-09-21: any instant; the window is given as ISO times
 
-MANIFEST = """
+POOL = """
 apiVersion: tokenpools.io/v1alpha1
 kind: Tenant
-metadata: {{name: bench}}
-spec: {{displayName: Bench}}
+metadata: {name: bench}
+spec: {displayName: Bench}
 ---
 apiVersion: tokenpools.io/v1alpha1
 kind: TokenPool
-metadata: {{name: bench-pool}}
+metadata: {name: bench-pool}
 spec:
   model: bench/model
-  backend: {{kind: vllm, replicas: [{{url: "http://127.0.0.1:9001"}}, {{url: "http://127.0.0.1:9002"}}]}}
-  scaling: {{minReplicas: 1, maxReplicas: 4}}
-  capacityPerReplica: {{slots: 16, tokensPerSecond: 20000, kvCacheGiB: 20}}
-  kvGeometry: {{layers: 36, kvHeads: 8, headDim: 128, bytesPerElement: 2}}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {{name: bench-guaranteed}}
-spec:
-  tenantId: bench
-  poolRef: {{name: bench-pool}}
-  qos: {{serviceClass: guaranteed, sloTargetMs: 1000}}
-  resources: {{tokensPerSecond: 12000, kvCacheGiB: 4, concurrency: {guaranteed}}}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {{name: bench-elastic}}
-spec:
-  tenantId: bench
-  poolRef: {{name: bench-pool}}
-  qos: {{serviceClass: elastic, sloTargetMs: 2000}}
-  resources: {{tokensPerSecond: 8000, kvCacheGiB: 4, concurrency: 12}}
----
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {{name: bench-spot}}
-spec:
-  tenantId: bench
-  poolRef: {{name: bench-pool}}
-  qos: {{serviceClass: spot, sloTargetMs: 5000}}
-  resources: {{tokensPerSecond: 4000, kvCacheGiB: 2, concurrency: 8}}
+  backend: {kind: vllm, replicas: [{url: "http://127.0.0.1:9001"}, {url: "http://127.0.0.1:9002"}]}
+  scaling: {minReplicas: 1, maxReplicas: 4}
+  capacityPerReplica: {slots: 16, tokensPerSecond: 20000, kvCacheGiB: 20}
+  kvGeometry: {layers: 36, kvHeads: 8, headDim: 128, bytesPerElement: 2}
 """
+
+
+def manifest(guaranteed: int) -> str:
+    """The pool and its three entitlements, the guaranteed one of concurrency `guaranteed`."""
+    return documents(
+        POOL,
+        entitlement("bench-guaranteed", tenant="bench", pool="bench-pool", service_class="guaranteed",
+                    slo_target_ms=1000, tokens_per_second=12000, kv_cache_gib=4, concurrency=guaranteed),
+        entitlement("bench-elastic", tenant="bench", pool="bench-pool", service_class="elastic",
+                    slo_target_ms=2000, tokens_per_second=8000, kv_cache_gib=4, concurrency=12),
+        entitlement("bench-spot", tenant="bench", pool="bench-pool", service_class="spot",
+                    slo_target_ms=5000, tokens_per_second=4000, kv_cache_gib=2, concurrency=8),
+    )
 
 
 def write_records(count: int, rate: float, tenant_id: int) -> float:
@@ -112,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from apps.tenancy.services import SYSTEM
 
         call_command("migrate", verbosity=0)
-        manifests_apply(actor=SYSTEM, documents=MANIFEST.format(guaranteed=16))
+        manifests_apply(actor=SYSTEM, documents=manifest(16))
         length = write_records(args.records, args.rate, Tenant.objects.get(slug="bench").pk)
         proposed = Path(tmp) / "proposed.yaml"
-        proposed.write_text(MANIFEST.format(guaranteed=8))
+        proposed.write_text(manifest(8))
         since = dt.datetime.fromtimestamp(START, dt.UTC).isoformat()
         until = dt.datetime.fromtimestamp(START + length, dt.UTC).isoformat()
         out = io.StringIO()

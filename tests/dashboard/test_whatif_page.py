@@ -10,23 +10,13 @@ from typing import Any
 import pytest
 
 from apps.dashboard.whatif import outcome_figure, ttft_figure
-from apps.gateway.request_log import request_log_write
 from apps.pools.models import TokenEntitlement
 from tests.dashboard.conftest import client_for, create_entitlement, create_pool
-from tests.simulator.test_replay import SINCE, UNTIL, _known_workload
+from tests.simulator.test_replay import PROPOSED_ACME_CHAT as PROPOSED
+from tests.simulator.test_replay import SINCE, UNTIL, record_two_tenants
 
 pytestmark = pytest.mark.django_db
 
-PROPOSED = """
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: acme-chat}
-spec:
-  tenantId: acme
-  poolRef: {name: qwen3-8b}
-  resources: {tokensPerSecond: 100, kvCacheGiB: 2, concurrency: 1}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000, queue: {max: 0}}
-"""
 
 
 @pytest.fixture
@@ -35,9 +25,7 @@ def recorded(superuser: Any, acme: Any, globex: Any) -> None:
     for tenant, name in ((acme, "acme-chat"), (globex, "globex-chat")):
         create_entitlement(superuser, tenant, pool, name, concurrency=2, queue_max=0, slo_target_ms=2000,
                            tokens_per_second=100, kv_cache_gib=2, service_class="guaranteed")
-    request_log_write(_known_workload(acme.pk))
-    request_log_write([e._replace(request_id=f"g{e.request_id}", tenant_id=globex.pk, entitlement="globex-chat",
-                                  arrived=e.arrived + 0.2) for e in _known_workload(globex.pk)])
+    record_two_tenants(acme.pk, globex.pk)
 
 
 def test_an_owner_replays_a_proposal_and_sees_its_rows_and_charts(recorded: None, owner: Any) -> None:

@@ -50,6 +50,27 @@ def _known_workload(tenant_id: int, *, concurrency: int = 2) -> list[Entry]:
     return entries
 
 
+def record_two_tenants(acme_id: int, globex_id: int) -> None:
+    """The known workload recorded for acme-chat, and again for globex-chat 0.2 s later (the What if tests'
+    pool of two tenants)."""
+    request_log_write(_known_workload(acme_id))
+    request_log_write([e._replace(request_id=f"g{e.request_id}", tenant_id=globex_id, entitlement="globex-chat",
+                                  arrived=e.arrived + 0.2) for e in _known_workload(globex_id)])
+
+
+# The What if tests' proposal: acme-chat down to one slot, no queue.
+PROPOSED_ACME_CHAT = """
+apiVersion: tokenpools.io/v1alpha1
+kind: TokenEntitlement
+metadata: {name: acme-chat}
+spec:
+  tenantId: acme
+  poolRef: {name: qwen3-8b}
+  resources: {tokensPerSecond: 100, kvCacheGiB: 2, concurrency: 1}
+  qos: {serviceClass: guaranteed, sloTargetMs: 2000, queue: {max: 0}}
+"""
+
+
 @pytest.fixture
 def window(admin: Any, acme: Any) -> TokenEntitlement:  # noqa: F811  (the imported fixtures)
     pool = make_pool(admin)

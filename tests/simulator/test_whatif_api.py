@@ -9,24 +9,14 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from apps.gateway.request_log import request_log_write
 from apps.pools.models import TokenEntitlement
 from tests.pools.factories import acme, admin, globex, make_entitlement, make_pool, member, outsider, owner  # noqa: F401
-from tests.simulator.test_replay import SINCE, UNTIL, _known_workload
+from tests.simulator.test_replay import PROPOSED_ACME_CHAT as PROPOSED
+from tests.simulator.test_replay import SINCE, UNTIL, record_two_tenants
 
 pytestmark = [pytest.mark.api, pytest.mark.django_db]
 
 URL = "/api/v1/pools/qwen3-8b/whatif/"
-PROPOSED = """
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: acme-chat}
-spec:
-  tenantId: acme
-  poolRef: {name: qwen3-8b}
-  resources: {tokensPerSecond: 100, kvCacheGiB: 2, concurrency: 1}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000, queue: {max: 0}}
-"""
 
 
 @pytest.fixture
@@ -34,9 +24,7 @@ def shared_pool(admin: Any, acme: Any, globex: Any) -> None:  # noqa: F811
     pool = make_pool(admin)
     make_entitlement(admin, acme, pool, "acme-chat", concurrency=2, queue_max=0, slo_target_ms=2000)
     make_entitlement(admin, globex, pool, "globex-chat", concurrency=2, queue_max=0, slo_target_ms=2000)
-    request_log_write(_known_workload(acme.pk))
-    request_log_write([e._replace(request_id=f"g{e.request_id}", tenant_id=globex.pk, entitlement="globex-chat",
-                                  arrived=e.arrived + 0.2) for e in _known_workload(globex.pk)])
+    record_two_tenants(acme.pk, globex.pk)
 
 
 def _post(user: Any, body: dict[str, Any]) -> Any:
