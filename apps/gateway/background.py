@@ -78,6 +78,7 @@ class BackgroundLoops:
         self._idle_cursor: dict[str, int] = {}  # pool -> where the next slice of idle entitlements starts
         self._pool_index: dict[str, tuple[Any, dict[str, EntitlementLimits]]] = {}
         self._viewed_snapshot: Any = None  # the snapshot the last store view read
+        self._bound: tuple[Any, dict[str, list[EntitlementLimits]]] | None = None  # (snapshot, its Bound ones)
         # (entitlement, unit) -> (used, reserved, limit) of the entitlement's own quota in the current window,
         # and (tenant slug, unit) -> the same of a tenant's shared quota: once per tenant, not per entitlement.
         self.store_quotas: QuotaView = {}
@@ -144,8 +145,12 @@ class BackgroundLoops:
         snapshot = self.gateway.snapshots.current
         if snapshot is None:
             return None
-        return {name: [limits for limits in pool.entitlements if limits.state == EntitlementState.BOUND]
-                for name, pool in snapshot.pools.items()}
+        cached = self._bound
+        if cached is None or cached[0] is not snapshot:  # once per snapshot, not every second
+            cached = self._bound = (snapshot, {
+                name: [limits for limits in pool.entitlements if limits.state == EntitlementState.BOUND]
+                for name, pool in snapshot.pools.items()})
+        return cached[1]
 
     async def stop(self) -> None:
         for task in self.tasks:

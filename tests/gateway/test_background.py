@@ -49,3 +49,17 @@ def test_the_store_view_keeps_the_last_reading_of_entitlements_it_does_not_read(
     monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools={"p": pool}, keys={}))
     asyncio.run(gateway.loops.store_view())
     assert {key[1] for key in gateway.loops.store_dynamics} == {f"e{i}" for i in range(1, 5)}
+
+
+def test_the_ewma_tick_gets_the_bound_entitlements_of_the_current_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apps.policy import EntitlementState
+
+    gateway = Gateway(store=MemoryStateStore())
+    bound = EntitlementLimits(entitlement_id="b", service_class="spot")
+    pending = EntitlementLimits(entitlement_id="p", service_class="spot", state=EntitlementState.PENDING)
+    first = SimpleNamespace(pools={"p": SimpleNamespace(entitlements=[bound, pending])})
+    monkeypatch.setattr(gateway.snapshots, "current", first)
+    assert gateway.loops.bound_limits() == {"p": [bound]}
+    assert gateway.loops.bound_limits() is gateway.loops.bound_limits()  # built once per snapshot
+    monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools={"p": SimpleNamespace(entitlements=[])}))
+    assert gateway.loops.bound_limits() == {"p": []}  # a new snapshot: read again
