@@ -154,9 +154,6 @@ class LedgerCounters:
 
 def used_parts(record: RequestRecord, output_tokens: float | None, prompt_tokens: float | None) -> tuple[int, int]:
     """What a finished request consumed of its charge (`apps.policy.quota_offer.consumed`)."""
-    if prompt_tokens is None and type(output_tokens) is int:
-        # `consumed` for the common release (an int output count, the prompt as admitted), without its checks.
-        return record.input_tokens, min(output_tokens if output_tokens > 0 else 0, record.max_tokens)
     return consumed(record.input_tokens, record.max_tokens, output_tokens, prompt_tokens)
 
 
@@ -356,7 +353,7 @@ class AdmissionLedger:
             record.kv_in_flight,  # kv_bytes_in_flight
             record.running,  # running
             record.kv_running,  # kv_bytes_running
-            math.inf if bucket is None else bucket._refill(now),  # tokens_available
+            math.inf if bucket is None else bucket.level(now),  # tokens_available
             dynamics.debt,
             dynamics.burst,
         )

@@ -81,6 +81,10 @@ def consumed(input_tokens: int, max_tokens: int, output_tokens: float | None,
     """What a finished request consumed of its charge: the prompt (as counted at admission unless the backend
     reported it) and the output produced, clamped to `max_tokens`. A missing or NaN output count is taken as the
     whole `max_tokens` (nothing is refunded on a guess)."""
+    if prompt_tokens is None and type(output_tokens) is int:
+        # The common release (an int output count, the prompt as admitted): what `_count` gives, without its checks
+        # (every release of the simulator's and the gateway's comes here).
+        return input_tokens, min(output_tokens if output_tokens > 0 else 0, max_tokens)
     produced = min(_count(output_tokens, max_tokens), max_tokens)
     return _count(prompt_tokens, input_tokens), produced
 
