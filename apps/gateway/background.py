@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from apps.gateway.budget import PoolBudget, aimd_tick_all
@@ -264,28 +264,32 @@ class BackgroundLoops:
 
     async def store_view(self) -> None:
         """What the store holds, every process together (`gateway_store_in_flight`): unlike this process's own
-        gauges, a reservation nobody will release shows here."""
+        gauges, a reservation nobody will release shows here. Its cost is that of the entitlements with requests
+        in flight and a turning slice of the idle ones, whatever the number of entitlements."""
         gateway = self.gateway
         snapshot = gateway.snapshots.current
         if gateway.store is None or snapshot is None:
             return
-        view: dict[tuple[str, ...], float] = {}
-        dynamics = self._last_dynamics(snapshot)
+        dynamics, shown = self._last_view(snapshot)
+        # An entitlement shown once stays shown, at 0 when nothing is in flight: its gauge falls to 0, it does
+        # not vanish (one never busy is not listed: 10,000 idle series of zeros would be the scrape's cost).
+        view: dict[tuple[str, ...], float] = dict.fromkeys(shown, 0.0)
         store = gateway.store
         try:
-            reads = 0
             for pool in list(snapshot.pools.values()):
-                for name, count in (await store.in_flight(pool=pool)).items():
+                by_id = self._index(pool)
+                busy = {name: count for name, count in (await store.in_flight(pool=pool)).items() if name in by_id}
+                for name, count in busy.items():
                     view[(pool.name, name)] = float(count)
-                for limits in self._entitlements_to_read(pool, view):
-                    usage = await store.entitlement_usage(limits=limits, pool=pool.name)
-                    priority = request_priority(limits.traits, limits.slo_target_ms, pool.mean_slo_ms, usage.burst,
-                                                usage.debt, store.config)
-                    dynamics[(pool.name, limits.entitlement_id)] = (usage.debt, usage.burst, priority)
-                    reads += 1
-                    if reads % STORE_VIEW_READS_PER_TURN == 0:
-                        # The in-process store answers without awaiting anything: let requests in between.
-                        await asyncio.sleep(0)
+                chosen = self._entitlements_to_read(pool, busy)
+                read = await store.dynamics(pool=pool.name, entitlements=[limits.entitlement_id for limits in chosen])
+                for index, limits in enumerate(chosen, 1):
+                    state = read[limits.entitlement_id]
+                    priority = request_priority(limits.traits, limits.slo_target_ms, pool.mean_slo_ms, state.burst,
+                                                state.debt, store.config)
+                    dynamics[(pool.name, limits.entitlement_id)] = (state.debt, state.burst, priority)
+                    if index % STORE_VIEW_READS_PER_TURN == 0:
+                        await asyncio.sleep(0)  # let requests in between
             quotas, tenant_quotas = await self._quota_view(snapshot)
         except StateStoreUnavailable:
             return  # keep the last view: the store's own state did not change by being unreachable
@@ -293,19 +297,22 @@ class BackgroundLoops:
         self.store_dynamics = dynamics
         self.store_quotas, self.store_tenant_quotas = quotas, tenant_quotas
 
-    def _last_dynamics(self, snapshot: Any) -> dict[tuple[str, ...], tuple[float, float, float]]:
-        """The last readings, which the entitlements not read this time keep; after a new snapshot only those of
-        entitlements it still holds."""
+    def _last_view(self, snapshot: Any) -> tuple[dict[tuple[str, ...], tuple[float, float, float]],
+                                                  list[tuple[str, ...]]]:
+        """The last readings (which the entitlements not read this time keep) and the entitlements the last
+        in-flight view showed; after a new snapshot only those of entitlements it still holds."""
         if snapshot is self._viewed_snapshot:
-            return dict(self.store_dynamics)
+            return dict(self.store_dynamics), list(self.store_in_flight)
         self._viewed_snapshot = snapshot
         held = {(pool.name, limits.entitlement_id) for pool in snapshot.pools.values() for limits in pool.entitlements}
-        return {key: value for key, value in self.store_dynamics.items() if key in held}
+        return ({key: value for key, value in self.store_dynamics.items() if key in held},
+                [key for key in self.store_in_flight if key in held])
 
-    def _entitlements_to_read(self, pool: Any, view: dict[tuple[str, ...], float]) -> list[EntitlementLimits]:
+    def _entitlements_to_read(self, pool: Any, busy: Mapping[str, int]) -> list[EntitlementLimits]:
         """The pool's entitlements whose dynamics this view reads: all of a pool of up to `STORE_VIEW_IDLE_READS`;
-        of a larger one, a turning slice of that many plus those with requests in flight. The cost stays that
-        of the slice and the busy ones, whatever the pool's size (the others keep their last reading)."""
+        of a larger one, a turning slice of that many plus those with requests in flight (`busy`). The cost
+        stays that of the slice and the busy ones, whatever the pool's size (the others keep their last
+        reading)."""
         entitlements = pool.entitlements
         size = len(entitlements)
         if size <= STORE_VIEW_IDLE_READS:
@@ -317,10 +324,7 @@ class BackgroundLoops:
             chosen += entitlements[:start + STORE_VIEW_IDLE_READS - size]
         in_slice = {limits.entitlement_id for limits in chosen}
         by_id = self._index(pool)
-        for (pool_name, name), count in view.items():
-            limits = by_id.get(name)
-            if pool_name == pool.name and count and limits is not None and name not in in_slice:
-                chosen.append(limits)
+        chosen += [by_id[name] for name in busy if name not in in_slice]
         return chosen
 
     def _index(self, pool: Any) -> dict[str, EntitlementLimits]:

@@ -26,6 +26,7 @@ from apps.policy import (
     AdmissionLedger,
     AdmissionRequest,
     Clock,
+    Dynamics,
     DynamicsConfig,
     EntitlementLimits,
     EntitlementState,
@@ -194,7 +195,12 @@ class MemoryStateStore(GatewayStateStore):
         ledger = self._ledgers.get(pool.name)
         if ledger is None:
             return {}
-        return {name: record.in_flight for name, record in ledger.entitlement_records().items()}
+        return ledger.in_flight_counts()
+
+    async def dynamics(self, *, pool: str, entitlements: Sequence[str]) -> dict[str, Dynamics]:
+        ledger = self._ledgers.get(pool)
+        records = {} if ledger is None else ledger.entitlement_records()
+        return {name: records[name].dynamics if name in records else Dynamics() for name in entitlements}
 
     async def request_state(self, *, reservation: Reservation) -> str | None:
         ledger = self._ledgers.get(reservation.pool)

@@ -89,11 +89,11 @@ CAS_BACKOFF_CAP_S = 0.05
 LUA = Path(__file__).with_name("lua")
 SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
            "budget", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read",
-           "quota_leases", "fields")
+           "quota_leases", "fields", "in_flight", "dynamics_read")
 
 
 # Entries that only read (Redis may run them anywhere, replicas included).
-READ_ONLY = frozenset({"read", "quota_read", "fields"})
+READ_ONLY = frozenset({"read", "quota_read", "fields", "in_flight", "dynamics_read"})
 # A tenant's quota hash outlives the longest window (a month) by a few days.
 QUOTA_TTL_S = 35 * 86400
 # The process's connections to Redis: one blocking pool shared by every request; a call waits up to the
@@ -580,9 +580,15 @@ class RedisStateStore(GatewayStateStore):
         return int(_float((await self.record_fields(pool=pool, field="running", records=["pool"]))[0]))
 
     async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
-        names = [limits.entitlement_id for limits in pool.entitlements]
-        values = await self.record_fields(pool=pool.name, field="in_flight", records=[f"ent:{name}" for name in names])
-        return {name: int(_float(value)) for name, value in zip(names, values, strict=True)}
+        raw = await self._call("in_flight", [self._base(pool.name)], [])
+        return {str(raw[index]): int(_float(raw[index + 1])) for index in range(0, len(raw), 2)}
+
+    async def dynamics(self, *, pool: str, entitlements: Sequence[str]) -> dict[str, Dynamics]:
+        if not entitlements:
+            return {}
+        raw = await self._call("dynamics_read", [self._base(pool)], list(entitlements))
+        return {name: Dynamics(_float(raw[2 * index]), _float(raw[2 * index + 1]))
+                for index, name in enumerate(entitlements)}
 
     async def request_state(self, *, reservation: Reservation) -> str | None:
         values = await self.record_fields(pool=reservation.pool, field="state",

@@ -28,6 +28,7 @@ from apps.policy import (
     AdmissionConfig,
     AdmissionDecision,
     AdmissionRequest,
+    Dynamics,
     EntitlementLimits,
     EntitlementUsage,
     ServiceClass,
@@ -223,8 +224,14 @@ class GatewayStateStore(ABC):
 
     @abstractmethod
     async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
-        """The store's own count of requests in flight (waiting or running) by entitlement of the pool:
-        what it holds, whichever process admitted them (a leak shows here)."""
+        """The store's own count of requests in flight (waiting or running) by entitlement of the pool, of
+        the entitlements holding any (one absent holds none): what it holds, whichever process admitted them (a
+        leak shows here). Its cost is that of the busy entitlements, not of the pool's size."""
+
+    @abstractmethod
+    async def dynamics(self, *, pool: str, entitlements: Sequence[str]) -> dict[str, Dynamics]:
+        """The debt and burst of the pool's `entitlements` as the last tick left them (at rest for one the store
+        never saw): many in one read, for the gauges."""
 
     @abstractmethod
     async def close(self) -> None:

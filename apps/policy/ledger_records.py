@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from apps.policy.admission import AdmissionDecision, AdmissionRequest, EntitlementLimits
 from apps.policy.bucket import TokenBucket
-from apps.policy.priority import Dynamics
+from apps.policy.priority import AT_REST, Dynamics
 from apps.policy.window import ServiceWindow
 
 if TYPE_CHECKING:
@@ -141,3 +141,5 @@ def check_invariants(ledger: AdmissionLedger) -> None:
         assert math.isclose(record.kv_in_flight, sum(r.kv for r in mine), abs_tol=1e-6), key
         if record.bucket is not None:
             assert -1e-9 <= record.bucket._level <= record.bucket.capacity + 1e-9, key
+        if record.in_flight or record.dynamics != AT_REST or not record.window.is_empty():
+            assert key in ledger._unsettled, f"{key} is off rest but the tick would pass it by"

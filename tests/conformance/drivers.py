@@ -17,6 +17,7 @@ from apps.policy import (
     AdmissionDecision,
     AdmissionLedger,
     AdmissionRequest,
+    Dynamics,
     EntitlementLimits,
     EntitlementState,
     ManualClock,
@@ -40,7 +41,7 @@ from tests.conformance.scenarios import (
     Tick,
     Usage,
 )
-from tests.conformance.steps import Capacity, Leases, Race, Remove, Saturation
+from tests.conformance.steps import Busy, Capacity, Leases, Race, Remove, Saturation
 
 POOL = "conformance"
 
@@ -112,6 +113,12 @@ def tick_figures(readings: Mapping[str, WindowReading]) -> dict[str, Any]:
         "served": {k: astuple(r.served) for k, r in readings.items()},
         "demand": {k: astuple(r.demand) for k, r in readings.items()},
     }
+
+
+def busy_figures(in_flight: Mapping[str, int], dynamics: Mapping[str, Any]) -> dict[str, Any]:
+    """The gauges' reads: who has requests in flight (sorted pairs), and debt and burst by entitlement."""
+    return {"busy": tuple(sorted(in_flight.items())),
+            "dynamics": {name: (state.debt, state.burst) for name, state in dynamics.items()}}
 
 
 def raced(observed: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +233,10 @@ class LedgerDriver:
             return {"started": ledger.set_budget(step.budget, now)}
         if isinstance(step, Tick):
             return tick_figures(ledger.tick_readings(now) or {})
+        if isinstance(step, Busy):
+            records = ledger.entitlement_records()
+            return busy_figures(ledger.in_flight_counts(),
+                                {name: records[name].dynamics if name in records else Dynamics() for name in step.ents})
         if isinstance(step, Usage):
             usage = ledger.usage(step.ent, now)
             return {"in_flight": usage.in_flight, "running": usage.running, "tokens": usage.tokens_available}
@@ -402,6 +413,9 @@ class StoreDriver:
             return {"started": tuple(await store.pool_budgets_set(budgets={POOL: step.budget}))}
         if isinstance(step, Tick):
             return tick_figures(await store.tick(entitlements={POOL: tuple(self.limits.values())}))
+        if isinstance(step, Busy):
+            return busy_figures(await store.in_flight(pool=self.pool),
+                                await store.dynamics(pool=POOL, entitlements=step.ents))
         if isinstance(step, Usage):
             usage = await store.entitlement_usage(limits=self._limits(step.ent), pool=POOL)
             return {"in_flight": usage.in_flight, "running": usage.running, "tokens": usage.tokens_available}

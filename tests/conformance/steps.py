@@ -50,3 +50,12 @@ class Remove:
     room may still start, nothing of it leaves its queue, and its offers are refused as not bound."""
 
     ent: str
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What the gauges read of the pool: the entitlements with requests in flight and how many (`busy`: the
+    expected pairs, sorted), and the debt and burst of `ents` (at rest for one never ticked)."""
+
+    busy: tuple[tuple[str, int], ...] | None = None
+    ents: tuple[str, ...] = ()

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.conformance
 EXPECTED_FIELDS = {"expect": ("state", "outcome", "expired"), "reason": ("reason",), "started": ("started",),
                    "evicted": ("evicted",), "in_flight": ("in_flight",), "running": ("running",),
                    "tokens": ("tokens",), "used": ("used",), "reserved": ("reserved",),
-                   "reaped": ("reaped",), "served": ("served_class",)}
+                   "reaped": ("reaped",), "served": ("served_class",), "busy": ("busy",)}
 
 
 async def _trace(driver: Any, scenario: Scenario) -> list[dict[str, Any]]:

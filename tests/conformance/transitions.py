@@ -1,6 +1,7 @@
 """Scenarios of the transitions that are not offers (issue 25): the pool's capacity and saturation changing,
 evictions chosen by entry, request leases renewed and reaped, compare-and-set conflicts between two stores,
-records left by an earlier release, an entitlement removed from the pool. Run like `scenarios.SCENARIOS`:
+records left by an earlier release, an entitlement removed from the pool, what the gauges read (who is busy,
+debt and burst of many). Run like `scenarios.SCENARIOS`:
 on the ledger, the in-process store and the Redis store, every observation compared with the ledger's."""
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from tests.conformance.scenarios import (
     QuotaState,
     Scenario,
     State,
+    Tick,
     Usage,
     ent,
     quota,
 )
-from tests.conformance.steps import Capacity, Leases, Race, Remove, Saturation
+from tests.conformance.steps import Busy, Capacity, Leases, Race, Remove, Saturation
 
 TRANSITION_SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
@@ -407,6 +409,30 @@ TRANSITION_SCENARIOS: tuple[Scenario, ...] = (
             Complete("g1", output=5, started=()),
             Complete("g2", output=5),
             Usage("gone", in_flight=0, running=0),
+        ),
+    ),
+    Scenario(
+        "the gauges' reads: only the entitlements with requests in flight, and debt and burst of many at once",
+        Pool(slots=2),
+        (ent("cheap", "spot", concurrency=2), ent("batch", "elastic", concurrency=2),
+         ent("idle", "elastic", concurrency=1)),
+        (
+            Busy(busy=(), ents=("batch", "idle")),
+            Offer("s1", "cheap", expect="running"),
+            Offer("s2", "cheap", expect="running"),
+            At(0.1),
+            Offer("b1", "batch", expect="waiting", reason="queued"),
+            Busy(busy=(("batch", 1), ("cheap", 2)), ents=("batch", "cheap", "idle")),
+            At(0.3),
+            Tick(),
+            Busy(busy=(("batch", 1), ("cheap", 2)), ents=("batch", "cheap", "idle", "unknown")),
+            Complete("s1", output=5, started=("b1",)),
+            Complete("s2", output=5),
+            Busy(busy=(("batch", 1),)),
+            Complete("b1", output=5),
+            At(0.6),
+            Tick(),
+            Busy(busy=(), ents=("batch", "cheap", "idle")),
         ),
     ),
 )

@@ -22,8 +22,7 @@ def test_a_large_pool_is_read_a_slice_at_a_time_and_busy_entitlements_every_time
         EntitlementLimits(entitlement_id=f"e{i}", service_class="spot") for i in range(5)])
 
     def read(busy: set[str]) -> set[str]:
-        view = {("p", name): 1.0 for name in busy}
-        return {limits.entitlement_id for limits in loops._entitlements_to_read(pool, view)}
+        return {limits.entitlement_id for limits in loops._entitlements_to_read(pool, dict.fromkeys(busy, 1))}
 
     assert read(set()) == {"e0", "e1"}
     assert read(set()) == {"e2", "e3"}
@@ -49,6 +48,40 @@ def test_the_store_view_keeps_the_last_reading_of_entitlements_it_does_not_read(
     monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools={"p": pool}, keys={}))
     asyncio.run(gateway.loops.store_view())
     assert {key[1] for key in gateway.loops.store_dynamics} == {f"e{i}" for i in range(1, 5)}
+
+
+def test_the_in_flight_view_lists_busy_entitlements_and_keeps_those_it_showed_at_zero(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entitlement never busy is not listed (10,000 idle ones would be 10,000 series of zeros); one that was
+    stays listed, at 0, so its gauge falls rather than vanishes."""
+    from apps.gateway.snapshot import PoolInfo
+    from apps.policy import AdmissionRequest
+
+    store = MemoryStateStore()
+    gateway = Gateway(store=store)
+    entitlements = tuple(EntitlementLimits(entitlement_id=f"e{i}", service_class="spot", concurrency=2)
+                         for i in range(3))
+    pool = PoolInfo(name="p", model_name="m", replica_urls=("http://x",), concurrency_capacity=4, kv_capacity=1e12,
+                    kv_bytes_per_token=0, context_window=4096, entitlements=entitlements)
+    monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools={"p": pool}, keys={}))
+
+    async def run() -> list[dict[tuple[str, ...], float]]:
+        await store.sync_pool(pool=pool)
+        views = []
+        offer = await store.offer(limits=entitlements[1], pool=pool,
+                                  request=AdmissionRequest("r1", input_tokens=5, max_tokens=5))
+        await gateway.loops.store_view()
+        views.append(dict(gateway.loops.store_in_flight))
+        assert offer.reservation is not None
+        await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=5)
+        await gateway.loops.store_view()
+        views.append(dict(gateway.loops.store_in_flight))
+        return views
+
+    busy, after = asyncio.run(run())
+    assert busy == {("p", "e1"): 1.0}
+    assert after == {("p", "e1"): 0.0}
+    assert {key[1] for key in gateway.loops.store_dynamics} == {"e0", "e1", "e2"}
 
 
 def test_the_ewma_tick_gets_the_bound_entitlements_of_the_current_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:

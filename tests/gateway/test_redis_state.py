@@ -145,6 +145,28 @@ def test_records_an_earlier_release_kept_as_hashes_are_read_and_rewritten(redis_
     with_stores(redis_url, 1, body)
 
 
+def test_the_busy_set_an_earlier_release_did_not_keep_is_filled_by_the_next_sync(redis_url: str) -> None:
+    """`in_flight` reads the pool's set of busy entitlements, which a release before it did not keep: the
+    records it left show once the snapshot's next sync writes them, and a release empties the set."""
+    async def body(store: RedisStateStore) -> None:
+        busy, idle = limits("busy"), limits("idle")
+        p = pool("p", 100, busy, idle)
+        await store.sync_pool(pool=p)
+        offers = [await store.offer(limits=busy, pool=p, request=request()) for _ in range(2)]
+        assert await store.in_flight(pool=p) == {"busy": 2}
+        await store.redis.delete(store._base("p") + "busy")  # as a Redis written by an earlier release holds it
+        assert await store.in_flight(pool=p) == {}
+        await store.sync_pool(pool=p)
+        assert await store.in_flight(pool=p) == {"busy": 2}
+        for offer in offers:
+            assert offer.reservation is not None
+            await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=1)
+        assert await store.in_flight(pool=p) == {}
+        assert await store.redis.scard(store._base("p") + "busy") == 0
+
+    with_stores(redis_url, 1, body)
+
+
 def test_waiting_is_priority_ordered_across_stores(redis_url: str) -> None:
     """Three processes: one holds the pool's only slot, one has a low-priority waiter that came first, one
     a high-priority waiter; the holder's release starts the high-priority one, wherever it waits."""

@@ -28,9 +28,11 @@
 --   run:<ent> zset  an entitlement's running requests by start time (Retry-After's earliest expected end)
 --   res       hash  Bound dedicated/guaranteed entitlements of the pool: id -> "concurrency kv_bytes"
 --   leases    zset  requests by lease deadline (a process that dies stops renewing them)
+--   busy      set   entitlements with requests in flight (kept by `save`; SYNC, which writes every entitlement
+--             of the pool, fills it for records an earlier release wrote)
 -- MessagePack keeps every double exactly; scores and replies are formatted with 17 significant digits.
 
-local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES, QENTS
+local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES, QENTS, BUSY
 local EVENTS = 'tp:gw:events'
 -- Fields of a loaded record that are the cache's own, never stored.
 local PRIVATE = {_key = true, _new = true, _id = true}
@@ -42,7 +44,7 @@ local function bind(keys, args)
   KEYS, ARGV = keys, args
   BASE = keys[1]
   POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
-  RES, LEASES, QENTS = BASE .. 'res', BASE .. 'leases', BASE .. 'qents'
+  RES, LEASES, QENTS, BUSY = BASE .. 'res', BASE .. 'leases', BASE .. 'qents', BASE .. 'busy'
   cache, dirty, order = {}, {}, {}
 end
 
@@ -113,9 +115,22 @@ local function stored(t)
   return cmsgpack.pack(clean)
 end
 
+-- Every write of an entitlement record keeps the pool's `busy` set (entitlements with requests in flight):
+-- readers of what is in flight (IN_FLIGHT) read those, not every entitlement of the pool.
 local function save()
+  local ents = BASE .. 'ent:'
   for _, key in ipairs(order) do
-    if dirty[key] then redis.call('SET', key, stored(cache[key])) end
+    if dirty[key] then
+      local t = cache[key]
+      redis.call('SET', key, stored(t))
+      if string.sub(key, 1, #ents) == ents then
+        if (t.in_flight or 0) > 0 then
+          redis.call('SADD', BUSY, string.sub(key, #ents + 1))
+        else
+          redis.call('SREM', BUSY, string.sub(key, #ents + 1))
+        end
+      end
+    end
   end
 end
 
