@@ -270,7 +270,11 @@ class TokenEntitlement(QuotaFields, models.Model):
 
     class Meta:
         ordering = ["name"]
-        indexes = [models.Index(fields=["pool", "state"]), models.Index(fields=["tenant", "state"])]
+        indexes = [models.Index(fields=["pool", "state"]), models.Index(fields=["tenant", "state"]),
+                   # The gateway's change marker reads their maxima twice a second (selectors.gateway_change_marker):
+                   # a lookup, where a scan of 10,000 rows took 2.5 ms of a core each poll.
+                   models.Index(fields=["updated_at"], name="pools_ent_updated_idx"),
+                   models.Index(fields=["state_changed_at"], name="pools_ent_state_changed_idx")]
 
     def __str__(self) -> str:
         return self.name
