@@ -37,6 +37,7 @@ from redis.exceptions import MaxConnectionsError, ReadOnlyError, RedisError, Res
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from apps.gateway import redis_cluster
+from apps.gateway.resp import MultiplexedRedis
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
     REJECTED,
@@ -229,6 +230,10 @@ class RedisStateStore(GatewayStateStore):
                 url, max_connections=max_connections, timeout=pool_timeout_s,
                 socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s, decode_responses=True,
                 health_check_interval=30)))
+        # The scripts' calls share one connection (apps.gateway.resp: a third of redis-py's CPU a call); other
+        # commands, a cluster and a client handed in go through redis-py.
+        self._calls = None if cluster or client is not None else MultiplexedRedis.from_url(
+            url, timeout_s=socket_timeout_s)
         self._library, self._version = function_library()
         self._queue_arg_cache: dict[int, tuple[EntitlementLimits, str]] = {}
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
@@ -263,14 +268,19 @@ class RedisStateStore(GatewayStateStore):
 
     async def _fcall(self, function: str, keys: list[str], args: Sequence[Any]) -> Any:
         try:
-            return await self.redis.fcall(function, len(keys), *keys, *args)
+            return await self._send_fcall(function, keys, args)
         except ResponseError as exc:
             if "function not found" not in str(exc).lower():
                 raise
             # A Redis that never saw this release's library, or lost it (restarted without its data; on a
             # cluster, a node that joined without it): loaded again (every primary), then the call again.
             await redis_cluster.load_library(self.redis, self._library)
-            return await self.redis.fcall(function, len(keys), *keys, *args)
+            return await self._send_fcall(function, keys, args)
+
+    def _send_fcall(self, function: str, keys: list[str], args: Sequence[Any]) -> Any:
+        if self._calls is not None:  # one shared connection (apps.gateway.resp): a single Redis
+            return self._calls.call("FCALL", function, len(keys), *keys, *args)
+        return self.redis.fcall(function, len(keys), *keys, *args)
 
     async def _redis(self, operation: Any) -> Any:
         """Await a call to Redis; its failures as the gateway reads them (`_store_failure`), the one place."""
@@ -671,6 +681,8 @@ class RedisStateStore(GatewayStateStore):
         await asyncio.wait_for(redis_cluster.ping(self.redis), timeout_s)
 
     async def close(self) -> None:
+        if self._calls is not None:
+            await self._calls.aclose()
         await redis_cluster.close(self.redis)
 
 

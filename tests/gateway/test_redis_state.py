@@ -384,7 +384,8 @@ def test_a_dead_processs_queued_request_is_reaped_and_the_queue_goes_on(redis_ur
 def test_a_call_waits_for_a_pooled_connection_and_is_busy_only_past_the_pool_timeout(redis_url: str) -> None:
     """The connection pool's fast path (a free connection taken without a timer) keeps the blocking pool's
     promise: with every connection taken a call waits, gets the connection a release hands over, and only a
-    wait past the pool timeout is `StateStoreBusy` (503 state_store_busy, never failed open)."""
+    wait past the pool timeout is `StateStoreBusy` (503 state_store_busy, never failed open). (The scripts'
+    calls share one connection of their own, apps.gateway.resp; the pool serves the other commands.)"""
     from apps.gateway.state import StateStoreBusy
 
     async def scenario() -> tuple[bool, int, float]:
@@ -395,7 +396,7 @@ def test_a_call_waits_for_a_pooled_connection_and_is_busy_only_past_the_pool_tim
             await asyncio.sleep(0.05)
             began = time.monotonic()
             try:
-                await store.pool_running(pool="p")
+                await store._redis(store.redis.llen(f"{store.prefix}empty"))
                 busy = False
             except StateStoreBusy:
                 busy = True
@@ -403,7 +404,7 @@ def test_a_call_waits_for_a_pooled_connection_and_is_busy_only_past_the_pool_tim
             await holder
             holder = asyncio.create_task(store.redis.blpop([f"{store.prefix}nothing"], 0.1))  # now 0.1 s only
             await asyncio.sleep(0.02)
-            handed = await store.pool_running(pool="p")  # waits for that release, within the pool timeout
+            handed = await store._redis(store.redis.llen(f"{store.prefix}empty"))  # waits for that release
             await holder
             return busy, handed, waited
         finally:

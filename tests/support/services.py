@@ -146,8 +146,9 @@ class PrivateRedis:
 
 
 @contextlib.contextmanager
-def running_redis() -> Iterator[str]:
-    """Yield a ``redis://`` URL of a throw-away server without persistence."""
+def running_redis(*options: str) -> Iterator[str]:
+    """Yield a ``redis://`` URL of a throw-away server without persistence (`options`: more of its command
+    line, e.g. ``--requirepass``; the URL carries no password)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ServiceUnavailable("redis-server not found; run `make system-deps` (Debian package redis-server)")
@@ -155,7 +156,7 @@ def running_redis() -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--protected-mode", "yes"],
+         "--dir", str(workdir), "--protected-mode", "yes", *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
