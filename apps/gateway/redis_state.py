@@ -76,7 +76,7 @@ from apps.policy.queues import ENQUEUE, offered_priority, own_limits_decision, o
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
 from apps.policy.quota_offer import Decide, Refund, Reserve, Step, quota_offer, run_async, settlement
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
-from apps.policy.window import WindowFigures, WindowReading, window_reading
+from apps.policy.window import RESTING_READING, WindowFigures, WindowReading, window_reading
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +236,7 @@ class RedisStateStore(GatewayStateStore):
             url, timeout_s=socket_timeout_s)
         self._library, self._version = function_library()
         self._queue_arg_cache: dict[int, tuple[EntitlementLimits, str]] = {}
+        self._tick_index: dict[str, tuple[Sequence[EntitlementLimits], dict[str, EntitlementLimits]]] = {}
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
@@ -550,16 +551,22 @@ class RedisStateStore(GatewayStateStore):
     async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
         readings: dict[str, WindowReading] = {}
         for pool, pool_limits in entitlements.items():
-            by_name = {limits.entitlement_id: limits for limits in pool_limits}
+            by_name = self._by_name(pool, pool_limits)
             if not by_name:
                 continue
-            raw = await self._call("tick", [self._base(pool)], [self._now(), *by_name])
+            raw = await self._call("tick", [self._base(pool)], [self._now()])
             if int(raw[0]) != 1:
                 continue  # the window is too short to measure (or the pool was never used): it stays open
+            # Those at rest were not read: their reading is the one the formulas give from rest (as the ledger's).
+            readings.update(dict.fromkeys(by_name, RESTING_READING))
             elapsed = float(raw[1])
             updates: list[str] = []
             for index in range(2, len(raw), 11):
                 name = raw[index]
+                if name not in by_name:
+                    # Not Bound in the snapshot (deleted, expired): its window closes with the others' but its
+                    # debt and burst stay as they are (no limits here to weigh them against).
+                    continue
                 values = [_float(value) for value in raw[index + 1: index + 11]]
                 figures = WindowFigures(values[0], values[1], values[2], values[3], int(values[4]), int(values[5]),
                                         values[6], values[7])
@@ -569,8 +576,16 @@ class RedisStateStore(GatewayStateStore):
                 )
                 readings[name] = reading
                 updates += [name, repr(reading.dynamics.debt), repr(reading.dynamics.burst)]
-            await self._call("dynamics", [self._base(pool)], updates)
+            if updates:
+                await self._call("dynamics", [self._base(pool)], updates)
         return readings
+
+    def _by_name(self, pool: str, pool_limits: Sequence[EntitlementLimits]) -> dict[str, EntitlementLimits]:
+        """The pool's entitlements by name, built once for one sequence of them (the snapshot's, every tick)."""
+        cached = self._tick_index.get(pool)
+        if cached is None or cached[0] is not pool_limits:
+            cached = self._tick_index[pool] = (pool_limits, {limits.entitlement_id: limits for limits in pool_limits})
+        return cached[1]
 
     # --- reads ------------------------------------------------------------------------------------------
 

@@ -28,11 +28,13 @@
 --   run:<ent> zset  an entitlement's running requests by start time (Retry-After's earliest expected end)
 --   res       hash  Bound dedicated/guaranteed entitlements of the pool: id -> "concurrency kv_bytes"
 --   leases    zset  requests by lease deadline (a process that dies stops renewing them)
---   busy      set   entitlements with requests in flight (kept by `save`; SYNC, which writes every entitlement
---             of the pool, fills it for records an earlier release wrote)
+--   busy      set   entitlements with requests in flight
+--   unsettled set   entitlements not at rest (`at_rest`): those a tick reads
+--             (both kept by `save`; SYNC, which writes every entitlement of the pool, fills them for records an
+--             earlier release wrote)
 -- MessagePack keeps every double exactly; scores and replies are formatted with 17 significant digits.
 
-local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES, QENTS, BUSY
+local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES, QENTS, BUSY, UNSETTLED
 local EVENTS = 'tp:gw:events'
 -- Fields of a loaded record that are the cache's own, never stored.
 local PRIVATE = {_key = true, _new = true, _id = true}
@@ -45,6 +47,7 @@ local function bind(keys, args)
   BASE = keys[1]
   POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
   RES, LEASES, QENTS, BUSY = BASE .. 'res', BASE .. 'leases', BASE .. 'qents', BASE .. 'busy'
+  UNSETTLED = BASE .. 'unsettled'
   cache, dirty, order = {}, {}, {}
 end
 
@@ -115,8 +118,19 @@ local function stored(t)
   return cmsgpack.pack(clean)
 end
 
--- Every write of an entitlement record keeps the pool's `busy` set (entitlements with requests in flight):
--- readers of what is in flight (IN_FLIGHT) read those, not every entitlement of the pool.
+-- An entitlement at rest: nothing in flight, nothing in its window, no debt or burst (AdmissionLedger's
+-- `_unsettled` holds the others): a tick gives it the reading it had, without reading it.
+local WINDOW = {'slot_s', 'kv_s', 'wait_s', 'tok', 'done', 'rej_n', 'rej_tok', 'rej_kv', 'debt', 'burst', 'in_flight'}
+local function at_rest(e)
+  for _, name in ipairs(WINDOW) do
+    if (e[name] or 0) ~= 0 then return false end
+  end
+  return true
+end
+
+-- Every write of an entitlement record keeps the pool's `busy` set (entitlements with requests in flight) and
+-- its `unsettled` set (those not at rest): what is in flight (IN_FLIGHT) and a tick (TICK) read those, not
+-- every entitlement of the pool.
 local function save()
   local ents = BASE .. 'ent:'
   for _, key in ipairs(order) do
@@ -124,11 +138,9 @@ local function save()
       local t = cache[key]
       redis.call('SET', key, stored(t))
       if string.sub(key, 1, #ents) == ents then
-        if (t.in_flight or 0) > 0 then
-          redis.call('SADD', BUSY, string.sub(key, #ents + 1))
-        else
-          redis.call('SREM', BUSY, string.sub(key, #ents + 1))
-        end
+        local id = string.sub(key, #ents + 1)
+        redis.call((t.in_flight or 0) > 0 and 'SADD' or 'SREM', BUSY, id)
+        redis.call(at_rest(t) and 'SREM' or 'SADD', UNSETTLED, id)
       end
     end
   end
