@@ -1,0 +1,192 @@
+"""The entitlements' lifetimes over a replayed window, read from the site's database (issue 26).
+
+`apps.simulator.lifetimes` reconstructs each entitlement's fields over the window from the rows now and the
+audit log; here the rows and entries are read and each state is turned into the gateway's limits by the same
+translation the snapshot uses (`apps.gateway.snapshot.entitlement_limits`). The binding state is not audited
+(the control loops keep it): an entitlement that still exists keeps its stored state (Bound when it is Expired
+now: it was not, while it had traffic), one deleted since is Bound. An expiry (`expires_at`) inside the window
+is not followed: the entitlement holds its limits to its deletion or the window's end.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from django.core.exceptions import ValidationError
+
+from apps.gateway.config import GatewayConfig
+from apps.policy import EntitlementLimits, EntitlementState
+from apps.simulator.lifetimes import (
+    AuditChange,
+    Covered,
+    Fields,
+    Lifetime,
+    cover_records,
+    entitlement_history,
+)
+from apps.simulator.replay import PoolPicture, Recorded, Timeline
+
+
+@dataclass
+class Lifetimes:
+    """Per pool the pictures with their entitlements' timelines, and what to tell about them."""
+
+    pictures: dict[str, PoolPicture]
+    followed: list[str]  # the changes followed, in words
+    gaps: list[str]  # where the history is incomplete, in words
+
+
+def follow_lifetimes(pictures: dict[str, PoolPicture], records: Sequence[Recorded], *, start: float, end: float,
+                     config: GatewayConfig) -> Lifetimes:
+    """`pictures` (the pools now) with each entitlement's lifetime from `start` (the virtual time's origin) to
+    `end`, from the audit log; stretched over its recorded requests where the log has gaps."""
+    from apps.audit.models import AuditEntry
+    from apps.audit.recorder import SPECS
+    from apps.pools.models import TokenEntitlement, TokenPool
+
+    audited = SPECS["pools.TokenEntitlement"].fields(TokenEntitlement)
+    rows = list(TokenEntitlement.objects.values("id", "state", *audited))
+    present = {str(row["id"]): {f: row[f] for f in audited} for row in rows}
+    stored_state = {str(row["id"]): str(row["state"]).lower() for row in rows}
+    since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
+    entries = AuditEntry.objects.filter(kind="TokenEntitlement", at__gte=since).values_list(
+        "at", "id", "action", "object_id", "before", "after")
+    history = entitlement_history(present, (AuditChange(at.timestamp(), seq, action, oid, before, after)
+                                            for at, seq, action, oid, before, after in entries.iterator()),
+                                  start=start)
+    pools = {pk: pool for pk, pool in ((p.pk, p) for p in TokenPool.objects.filter(name__in=pictures))}
+    translate = _Translator(pools, config, present, stored_state, pictures)
+    arrivals: dict[str, list[float]] = {}
+    for r in records:
+        arrivals.setdefault(r.entitlement, []).append(r.arrived)
+    gaps = [f"The audit log contradicts itself: {gap}." for gap in history.gaps]
+    followed: list[str] = []
+    timelines: dict[str, dict[str, Timeline]] = {name: {} for name in pictures}
+    for name, lifetime in history.lifetimes.items():
+        covered = cover_records(lifetime, arrivals.get(name, ()), end=end)
+        gaps += _gap_words(name, covered, start)
+        followed += _followed_words(name, covered.lifetime, start, end)
+        for pool_name, timeline in translate.timelines(covered.lifetime, start=start, end=end, gaps=gaps).items():
+            timelines[pool_name][name] = timeline
+    out = {}
+    for pool_name, picture in pictures.items():
+        mine = timelines[pool_name]
+        entitlements = dict(picture.entitlements)
+        for name, timeline in mine.items():
+            if name not in entitlements:
+                entitlements[name] = next(limits for limits in (timeline.initial, *(c[1] for c in timeline.changes))
+                                          if limits is not None)
+        out[pool_name] = replace(picture, entitlements=entitlements, timelines=mine)
+    return Lifetimes(out, followed, gaps)
+
+
+class _Translator:
+    """Fields (audited, JSON or Python values) -> the gateway's limits, per pool."""
+
+    def __init__(self, pools: dict[int, Any], config: GatewayConfig, present: dict[str, Fields],
+                 stored_state: dict[str, str], pictures: dict[str, PoolPicture]) -> None:
+        from apps.pools.models import TokenEntitlement
+
+        self.model = TokenEntitlement
+        self.pools = pools
+        self.config = config
+        self.pictures = pictures
+        # The present rows by name: their limits are the snapshot's own (the pictures'), their state stored.
+        self.present = {str(fields["name"]): (fields, stored_state[oid]) for oid, fields in present.items()}
+
+    def limits(self, fields: Fields, gaps: list[str]) -> tuple[str, EntitlementLimits] | None:
+        name = str(fields.get("name", ""))
+        pool = self.pools.get(_int(fields.get("pool_id")))
+        if pool is None:
+            return None  # another pool, or one deleted since: not replayed here
+        now, state = self.present.get(name, (None, EntitlementState.BOUND.value))
+        picture = self.pictures[pool.name].entitlements.get(name)
+        if now is not None and fields == now and picture is not None:
+            return pool.name, picture
+        from apps.gateway.snapshot import entitlement_limits
+
+        entitlement = self.model()
+        try:
+            for field in self.model._meta.concrete_fields:
+                if field.attname in fields:
+                    setattr(entitlement, field.attname, field.to_python(fields[field.attname]))
+            entitlement.expires_at = None  # expiry is not followed (the module's docstring)
+            limits = entitlement_limits(entitlement, kv_bytes_per_token=float(pool.bytes_per_token),
+                                        tenant_id=str(fields.get("tenant_id", "")),
+                                        default_max_tokens=self.config.default_max_tokens,
+                                        context_window=self.config.context_window)
+        except (TypeError, ValueError, ValidationError) as error:
+            gaps.append(f"Entitlement {name!r}: a past state in the audit log cannot be read ({error}); "
+                        f"that state is not replayed.")
+            return None
+        if state == EntitlementState.EXPIRED.value:
+            state = EntitlementState.BOUND.value
+        return pool.name, replace(limits, state=state)
+
+    def timelines(self, lifetime: Lifetime, *, start: float, end: float, gaps: list[str]) -> dict[str, Timeline]:
+        """The lifetime's states as limits, split by pool (a state in another pool is absence from this one)."""
+        states = [(start, lifetime.initial), *((t, f) for t, f in lifetime.changes if start < t <= end)]
+        translated = [(t, None if f is None else self.limits(f, gaps)) for t, f in states]
+        out: dict[str, Timeline] = {}
+        for pool_name in {pair[0] for _t, pair in translated if pair is not None}:
+            own = [(t, pair[1] if pair is not None and pair[0] == pool_name else None) for t, pair in translated]
+            out[pool_name] = Timeline(own[0][1], tuple(_changed(own[1:], own[0][1])))
+        return out
+
+
+def _changed(states: list[tuple[float, EntitlementLimits | None]],
+             first: EntitlementLimits | None) -> list[tuple[float, EntitlementLimits | None]]:
+    """Only the states that change the limits (an update of an unaudited-by-the-replay field is none)."""
+    out = []
+    last = first
+    for when, limits in states:
+        if limits != last:
+            out.append((when, limits))
+            last = limits
+    return out
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _offset(at: float, start: float) -> str:
+    return f"{at - start:.1f} s into the window" if at >= start else f"{start - at:.1f} s before the window"
+
+
+def _when(at: float) -> str:
+    return dt.datetime.fromtimestamp(at, tz=dt.UTC).isoformat()
+
+
+def _gap_words(name: str, covered: Covered, start: float) -> list[str]:
+    out = []
+    if covered.before_creation is not None:
+        count, first, created = covered.before_creation
+        out.append(f"Entitlement {name!r} was created at {_when(created)} ({_offset(created, start)}) by the audit "
+                   f"log, after {count} of its recorded requests (the first {_offset(first, start)}): the audit "
+                   f"history is incomplete (entries missing, or changes written around it); the replay holds its "
+                   f"limits from its first recorded request on.")
+    if covered.after_deletion is not None:
+        count, last, deleted = covered.after_deletion
+        out.append(f"Entitlement {name!r} was deleted at {_when(deleted)} ({_offset(deleted, start)}) by the audit "
+                   f"log, before {count} of its recorded requests (the last {_offset(last, start)}): the audit "
+                   f"history is incomplete; the replay holds its limits to its last recorded request.")
+    return out
+
+
+def _followed_words(name: str, lifetime: Lifetime, start: float, end: float) -> list[str]:
+    steps = []
+    existed = lifetime.initial is not None
+    for at, fields in lifetime.changes_within(start, end):
+        steps.append(("deleted" if fields is None else "changed" if existed else "created") + f" {at - start:.1f} s")
+        existed = fields is not None
+    if not steps:
+        return []
+    return [f"Entitlement {name!r} follows its audit history through the window: {', '.join(steps)} into it "
+            f"(as it was at each moment, not as it is now)."]
