@@ -35,6 +35,7 @@ class AuditChange(NamedTuple):
     seq: int  # the entry's id: orders entries of the same instant
     action: str  # create | update | delete
     object_id: str
+    object_name: str  # the entitlement's name when the entry was written
     before: Fields | None
     after: Fields | None
 
@@ -97,21 +98,18 @@ def entitlement_history(present: dict[str, Fields], changes: Iterable[AuditChang
         elif change.action == "delete":
             if after is not None:
                 gaps.append(f"{name!r} was deleted at {change.at:.3f} but its later re-creation is not in the audit log")
-            state[oid] = dict(change.before or {})
+            state[oid] = {"name": change.object_name, **(change.before or {})}
         else:  # update: only the changed fields; the others are those after it
             if after is None:
                 gaps.append(f"{name!r} was changed at {change.at:.3f} but its later deletion is not in the audit log")
-                after = {**(change.after or {})}
+                after = {"name": change.object_name, **(change.after or {})}
             state[oid] = {**after, **(change.before or {})}
     events.reverse()
     return History(_by_name(state, events), gaps)
 
 
 def _name(change: AuditChange) -> str:
-    for fields in (change.after, change.before):
-        if fields and "name" in fields:
-            return str(fields["name"])
-    return f"object {change.object_id}"
+    return change.object_name or f"object {change.object_id}"
 
 
 def _by_name(initial: dict[str, Fields], events: Sequence[tuple[float, int, str, Fields | None]]) -> dict[str, Lifetime]:

@@ -53,9 +53,8 @@ def follow_lifetimes(pictures: dict[str, PoolPicture], records: Sequence[Recorde
     stored_state = {str(row["id"]): str(row["state"]).lower() for row in rows}
     since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
     entries = AuditEntry.objects.filter(kind="TokenEntitlement", at__gte=since).values_list(
-        "at", "id", "action", "object_id", "before", "after")
-    history = entitlement_history(present, (AuditChange(at.timestamp(), seq, action, oid, before, after)
-                                            for at, seq, action, oid, before, after in entries.iterator()),
+        "at", "id", "action", "object_id", "object_name", "before", "after")
+    history = entitlement_history(present, (AuditChange(at.timestamp(), *rest) for at, *rest in entries.iterator()),
                                   start=start)
     pools = {pk: pool for pk, pool in ((p.pk, p) for p in TokenPool.objects.filter(name__in=pictures))}
     translate = _Translator(pools, config, present, stored_state, pictures)
