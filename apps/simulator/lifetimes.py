@@ -155,7 +155,7 @@ def cover_records(lifetime: Lifetime, arrivals: Sequence[float], *, end: float,
         later = next((i for i, (t, f) in enumerate(changes) if t > outside and f is not None), None)
         if later is not None:
             at, fields = changes[later]
-            count = sum(1 for a in arrivals if outside <= a < at - slack_s)
+            count = sum(1 for a in arrivals if outside <= a < at)
             before = (count + (before[0] if before else 0), outside, at)
             changes[later] = (outside, fields)
         else:
@@ -164,7 +164,7 @@ def cover_records(lifetime: Lifetime, arrivals: Sequence[float], *, end: float,
             if last_fields is None or deleted is None:
                 break
             last = arrivals[-1]
-            count = sum(1 for a in arrivals if a > changes[deleted][0] + slack_s)
+            count = sum(1 for a in arrivals if a >= changes[deleted][0])
             after = (count, last, changes[deleted][0])
             changes[deleted] = (last + 1e-6, None)
         lifetime = replace(lifetime, changes=tuple(sorted(changes, key=lambda c: c[0])))

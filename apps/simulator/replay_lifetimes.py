@@ -48,20 +48,25 @@ def follow_lifetimes(pictures: dict[str, PoolPicture], records: Sequence[Recorde
     from apps.pools.models import TokenEntitlement, TokenPool
 
     audited = SPECS["pools.TokenEntitlement"].fields(TokenEntitlement)
-    rows = list(TokenEntitlement.objects.values("id", "state", *audited))
+    rows = list(TokenEntitlement.objects.values("id", "state", "created_at", *audited))
     present = {str(row["id"]): {f: row[f] for f in audited} for row in rows}
     stored_state = {str(row["id"]): str(row["state"]).lower() for row in rows}
     since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
     entries = AuditEntry.objects.filter(kind="TokenEntitlement", at__gte=since).values_list(
         "at", "id", "action", "object_id", "object_name", "before", "after")
-    history = entitlement_history(present, (AuditChange(at.timestamp(), *rest) for at, *rest in entries.iterator()),
-                                  start=start)
+    changes = [AuditChange(at.timestamp(), *rest) for at, *rest in entries.iterator()]
+    late = [str(row["id"]) for row in rows if row["created_at"] is not None and row["created_at"] > since]
+    logged = set(AuditEntry.objects.filter(kind="TokenEntitlement", action="create", object_id__in=late)
+                 .values_list("object_id", flat=True))
+    unlogged = _unlogged_creations([row for row in rows if str(row["id"]) in set(late) - logged], present)
+    history = entitlement_history(present, changes + [change for change, _words in unlogged], start=start)
     pools = {pk: pool for pk, pool in ((p.pk, p) for p in TokenPool.objects.filter(name__in=pictures))}
     translate = _Translator(pools, config, present, stored_state, pictures)
     arrivals: dict[str, list[float]] = {}
     for r in records:
         arrivals.setdefault(r.entitlement, []).append(r.arrived)
-    gaps = [f"The audit log contradicts itself: {gap}." for gap in history.gaps]
+    gaps = [words for _change, words in unlogged]
+    gaps += [f"The audit log contradicts itself: {gap}." for gap in history.gaps]
     followed: list[str] = []
     timelines: dict[str, dict[str, Timeline]] = {name: {} for name in pictures}
     for name, lifetime in history.lifetimes.items():
@@ -80,6 +85,21 @@ def follow_lifetimes(pictures: dict[str, PoolPicture], records: Sequence[Recorde
                                           if limits is not None)
         out[pool_name] = replace(picture, entitlements=entitlements, timelines=mine)
     return Lifetimes(out, followed, gaps)
+
+
+def _unlogged_creations(rows: list[dict[str, Any]], present: dict[str, Fields]) -> list[tuple[AuditChange, str]]:
+    """Rows created in the window (their `created_at`) whose creation the audit log does not have (entries
+    missing, or written around the audit): their creation at that time, and why it is a gap."""
+    out = []
+    for row in rows:
+        oid = str(row["id"])
+        name = str(present[oid].get("name", ""))
+        at = row["created_at"].timestamp()
+        out.append((AuditChange(at, -1, "create", oid, name, None, dict(present[oid])),
+                    f"Entitlement {name!r} was created at {_when(at)} by its row, but the audit log has no entry "
+                    f"of it: the audit history is incomplete (entries missing, or written around the audit); the "
+                    f"replay holds its limits from its creation as it is now."))
+    return out
 
 
 class _Translator:

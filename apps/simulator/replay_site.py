@@ -202,7 +202,7 @@ def _proposal_over(followed: dict[str, PoolPicture], current: dict[str, PoolPict
                              f"(created, changed or deleted in it: the audit log); under proposed it holds the "
                              f"proposed one (its reservation included) from the window's start to its end.")
     if changed:
-        notes.insert(0, f"Under proposed, the entitlements the proposal changes ({', '.join(sorted(changed))}) take "
+        notes.insert(0, f"Under proposed, the entitlements the proposal changes ({', '.join(repr(n) for n in sorted(changed))}) take "
                         f"its definition for the whole window; the others follow their recorded lifetimes, as "
                         f"under current.")
     return out, notes

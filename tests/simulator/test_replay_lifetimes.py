@@ -123,7 +123,7 @@ spec:
     chat = report["entitlements"]["acme-chat"]
     assert chat["proposed"]["rejected_by_reason"] == chat["current"]["rejected_by_reason"] == {
         "concurrency_limit_exceeded": 20}
-    assert any("changes (acme-burst) take its definition for the whole window" in c for c in report["caveats"])
+    assert any("changes ('acme-burst') take its definition for the whole window" in c for c in report["caveats"])
     assert not TokenEntitlement.objects.filter(name="acme-burst").exists()
 
 
@@ -140,3 +140,20 @@ def test_requests_the_audit_log_cannot_place_say_the_history_is_incomplete(admin
     report = _replay()
     assert report["entitlements"]["acme-burst"]["current"]["rejected"] == _rejected(bursts)
     assert any("'acme-burst' was deleted at" in c and "history is incomplete" in c for c in report["caveats"])
+
+
+def test_a_row_created_in_the_window_without_its_audit_entry_is_a_gap(admin: Any, acme: Any) -> None:  # noqa: F811
+    """The audit entry of acme-chat's creation is gone (deleted by hand), its row says 10 s into the window."""
+    pool = make_pool(admin)
+    make_entitlement(admin, acme, pool, "acme-chat", concurrency=2, queue_max=0, slo_target_ms=2000)
+    AuditEntry.objects.filter(kind="TokenEntitlement", object_name="acme-chat").delete()
+    TokenEntitlement.objects.filter(name="acme-chat").update(created_at=START + dt.timedelta(seconds=10))
+    entries = _workload(acme.pk, "acme-chat", lambda at: 2)
+    request_log_write(entries)
+
+    report = _replay()
+    caveats = report["caveats"]
+    assert any("'acme-chat' was created at" in c and "by its row" in c and "incomplete" in c for c in caveats)
+    # Its requests before that are still replayed (the history stretched over them), and said so.
+    assert any("'acme-chat' was created at" in c and "after 25 of its recorded requests" in c for c in caveats), caveats
+    assert report["entitlements"]["acme-chat"]["current"]["rejected"] == _rejected(entries)
