@@ -115,8 +115,8 @@ def _name(change: AuditChange) -> str:
 def _by_name(initial: dict[str, Fields], events: Sequence[tuple[float, int, str, Fields | None]]) -> dict[str, Lifetime]:
     """Objects' states -> names' lifetimes (a rename is the old name's deletion and the new name's creation)."""
     starts: dict[str, Fields] = {}
-    for fields in initial.values():
-        starts[str(fields.get("name", ""))] = fields
+    for first in initial.values():
+        starts[str(first.get("name", ""))] = first
     current = dict(initial)
     named: dict[str, list[tuple[float, Fields | None]]] = {}
     for at, _seq, oid, fields in events:

@@ -54,7 +54,8 @@ def follow_lifetimes(pictures: dict[str, PoolPicture], records: Sequence[Recorde
     since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
     entries = AuditEntry.objects.filter(kind="TokenEntitlement", at__gte=since).values_list(
         "at", "id", "action", "object_id", "object_name", "before", "after")
-    changes = [AuditChange(at.timestamp(), *rest) for at, *rest in entries.iterator()]
+    changes = [AuditChange(at.timestamp(), seq, action, oid, name, before, after)
+               for at, seq, action, oid, name, before, after in entries.iterator()]
     late = [str(row["id"]) for row in rows if row["created_at"] is not None and row["created_at"] > since]
     logged = set(AuditEntry.objects.filter(kind="TokenEntitlement", action="create", object_id__in=late)
                  .values_list("object_id", flat=True))
@@ -118,7 +119,8 @@ class _Translator:
 
     def limits(self, fields: Fields, gaps: list[str]) -> tuple[str, EntitlementLimits] | None:
         name = str(fields.get("name", ""))
-        pool = self.pools.get(_int(fields.get("pool_id")))
+        pool_id = _int(fields.get("pool_id"))
+        pool = None if pool_id is None else self.pools.get(pool_id)
         if pool is None:
             return None  # another pool, or one deleted since: not replayed here
         now, state = self.present.get(name, (None, EntitlementState.BOUND.value))
