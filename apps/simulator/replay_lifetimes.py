@@ -4,8 +4,8 @@
 audit log; here the rows and entries are read and each state is turned into the gateway's limits by the same
 translation the snapshot uses (`apps.gateway.snapshot.entitlement_limits`). The binding state is not audited
 (the control loops keep it): an entitlement that still exists keeps its stored state (Bound when it is Expired
-now: it was not, while it had traffic), one deleted since is Bound. An expiry (`expires_at`) inside the window
-is not followed: the entitlement holds its limits to its deletion or the window's end.
+now: its expiry is followed as an event, below), one deleted since is Bound. An expiry (`expires_at`) is
+followed: from that instant the entitlement's limits are in state Expired (the gateway's `KeyEntry.limits_at`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def follow_lifetimes(pictures: dict[str, PoolPicture], records: Sequence[Recorde
         covered = cover_records(lifetime, arrivals.get(name, ()), end=end)
         gaps += _gap_words(name, covered, start)
         followed += _followed_words(name, covered.lifetime, start, end)
-        for pool_name, timeline in translate.timelines(covered.lifetime, start=start, end=end, gaps=gaps).items():
+        for pool_name, timeline in translate.timelines(covered.lifetime, start=start, end=end, gaps=gaps,
+                                                       followed=followed).items():
             timelines[pool_name][name] = timeline
     out = {}
     for pool_name, picture in pictures.items():
@@ -117,7 +118,9 @@ class _Translator:
         # The present rows by name: their limits are the snapshot's own (the pictures'), their state stored.
         self.present = {str(fields["name"]): (fields, stored_state[oid]) for oid, fields in present.items()}
 
-    def limits(self, fields: Fields, gaps: list[str]) -> tuple[str, EntitlementLimits] | None:
+    def limits(self, fields: Fields, gaps: list[str]) -> tuple[str, EntitlementLimits, float | None] | None:
+        """The pool, the limits (Bound, or the row's stored state; an expiry is an event of its own) and the
+        expiry (epoch seconds) of one state; None when it is in no replayed pool or cannot be read."""
         name = str(fields.get("name", ""))
         pool_id = _int(fields.get("pool_id"))
         pool = None if pool_id is None else self.pools.get(pool_id)
@@ -125,35 +128,58 @@ class _Translator:
             return None  # another pool, or one deleted since: not replayed here
         now, state = self.present.get(name, (None, EntitlementState.BOUND.value))
         picture = self.pictures[pool.name].entitlements.get(name)
-        if now is not None and fields == now and picture is not None:
-            return pool.name, picture
-        from apps.gateway.snapshot import entitlement_limits
-
-        entitlement = self.model()
         try:
-            for field in self.model._meta.concrete_fields:
-                if field.attname in fields:
-                    setattr(entitlement, field.attname, field.to_python(fields[field.attname]))
-            entitlement.expires_at = None  # expiry is not followed (the module's docstring)
-            limits = entitlement_limits(entitlement, kv_bytes_per_token=float(pool.bytes_per_token),
-                                        tenant_id=str(fields.get("tenant_id", "")),
-                                        default_max_tokens=self.config.default_max_tokens,
-                                        context_window=self.config.context_window)
+            expires_at = self.model._meta.get_field("expires_at").to_python(fields.get("expires_at"))
+            if now is not None and fields == now and picture is not None:
+                limits = picture
+            else:
+                limits = replace(self._built(fields, pool), state=state)
         except (TypeError, ValueError, ValidationError) as error:
             gaps.append(f"Entitlement {name!r}: a past state in the audit log cannot be read ({error}); "
                         f"that state is not replayed.")
             return None
-        if state == EntitlementState.EXPIRED.value:
-            state = EntitlementState.BOUND.value
-        return pool.name, replace(limits, state=state)
+        if limits.state == EntitlementState.EXPIRED.value:
+            limits = replace(limits, state=EntitlementState.BOUND.value)  # expired at its expiry: `timelines`
+        return pool.name, limits, None if expires_at is None else expires_at.timestamp()
 
-    def timelines(self, lifetime: Lifetime, *, start: float, end: float, gaps: list[str]) -> dict[str, Timeline]:
-        """The lifetime's states as limits, split by pool (a state in another pool is absence from this one)."""
+    def _built(self, fields: Fields, pool: Any) -> EntitlementLimits:
+        from apps.gateway.snapshot import entitlement_limits
+
+        entitlement = self.model()
+        for field in self.model._meta.concrete_fields:
+            if field.attname in fields:
+                setattr(entitlement, field.attname, field.to_python(fields[field.attname]))
+        entitlement.expires_at = None  # the expiry is an event at its time (`timelines`), not a state now
+        return entitlement_limits(entitlement, kv_bytes_per_token=float(pool.bytes_per_token),
+                                  tenant_id=str(fields.get("tenant_id", "")),
+                                  default_max_tokens=self.config.default_max_tokens,
+                                  context_window=self.config.context_window)
+
+    def timelines(self, lifetime: Lifetime, *, start: float, end: float, gaps: list[str],
+                  followed: list[str]) -> dict[str, Timeline]:
+        """The lifetime's states as limits, split by pool (a state in another pool is absence from this one);
+        an expiry inside a state's span is a change to its limits in state Expired then (what the gateway's
+        snapshot answers from its `expires_at` on: `KeyEntry.limits_at`)."""
         states = [(start, lifetime.initial), *((t, f) for t, f in lifetime.changes if start < t <= end)]
         translated = [(t, None if f is None else self.limits(f, gaps)) for t, f in states]
         out: dict[str, Timeline] = {}
-        for pool_name in {pair[0] for _t, pair in translated if pair is not None}:
-            own = [(t, pair[1] if pair is not None and pair[0] == pool_name else None) for t, pair in translated]
+        for pool_name in {item[0] for _t, item in translated if item is not None}:
+            own: list[tuple[float, EntitlementLimits | None]] = []
+            for index, (at, item) in enumerate(translated):
+                if item is None or item[0] != pool_name:
+                    own.append((at, None))
+                    continue
+                _pool, limits, expires = item
+                expired = replace(limits, state=EntitlementState.EXPIRED.value)
+                until = translated[index + 1][0] if index + 1 < len(translated) else end
+                if expires is not None and expires <= at:
+                    own.append((at, expired))
+                    continue
+                own.append((at, limits))
+                if expires is not None and expires < until:
+                    own.append((expires, expired))
+                    followed.append(f"Entitlement {lifetime.name!r} expired {expires - start:.1f} s into the "
+                                    f"window (its expires_at): refused from then on, as the gateway refused it.")
             out[pool_name] = Timeline(own[0][1], tuple(_changed(own[1:], own[0][1])))
         return out
 

@@ -157,3 +157,19 @@ def test_a_row_created_in_the_window_without_its_audit_entry_is_a_gap(admin: Any
     # Its requests before that are still replayed (the history stretched over them), and said so.
     assert any("'acme-chat' was created at" in c and "after 25 of its recorded requests" in c for c in caveats), caveats
     assert report["entitlements"]["acme-chat"]["current"]["rejected"] == _rejected(entries)
+
+
+def test_an_expiry_in_the_window_refuses_from_its_instant_on(admin: Any, acme: Any) -> None:  # noqa: F811
+    """acme-chat's expires_at is 12 s into the window (Expired now): served before, refused after, as live."""
+    pool = make_pool(admin)
+    make_entitlement(admin, acme, pool, "acme-chat", concurrency=2, queue_max=0, slo_target_ms=2000,
+                     expires_at=START + dt.timedelta(seconds=CHANGED_AT_S))
+    _at("acme-chat", "create", -3600)
+    before = _workload(acme.pk, "acme-chat", lambda at: 2, count=30)  # to 11.6 s
+    request_log_write(before + _workload(acme.pk, "acme-chat", lambda at: 0, first=30, count=30))
+
+    report = _replay()
+    current = report["entitlements"]["acme-chat"]["current"]
+    assert current["rejected_by_reason"] == {"concurrency_limit_exceeded": _rejected(before),
+                                             "entitlement_not_bound": 30}
+    assert any("'acme-chat' expired 12.0 s into the window" in c for c in report["caveats"]), report["caveats"]
