@@ -258,8 +258,8 @@ def run_arm(arm: str, scenario: Scenario, backend: Backend, workdir: Path, *, pr
     """One live arm of the (already scaled) scenario; returns every request's record. With a gateway,
     `samples` collects its `/metrics` view once a second. `static_entitlements`: every tenant's entitlement
     is in place from the start and stays (no operator creating one when its tenant joins, deleting it when
-    it leaves; the clients still come and go at their times): one set of entitlements for the whole run,
-    what a replay of its request log under the current entitlements needs (`replay_check`)."""
+    it leaves; the clients still come and go at their times): one set of entitlements for the whole run (a
+    replay follows the entitlements' lifetimes either way: `apps.simulator.lifetimes`)."""
     config = scenario.config
     assert config.horizon_s is not None
     horizon = float(config.horizon_s)

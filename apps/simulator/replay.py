@@ -73,6 +73,17 @@ class PoolPicture:
     entitlements: dict[str, EntitlementLimits]
     owners: dict[str, str] = field(default_factory=dict)  # entitlement -> tenant slug
     has_quotas: bool = False
+    # Entitlement -> its lifetime over the window (`apps.simulator.lifetimes`); one missing holds its
+    # `entitlements` limits throughout. `entitlements` names every entitlement that exists at some moment.
+    timelines: dict[str, Timeline] = field(default_factory=dict)
+
+
+class Timeline(NamedTuple):
+    """An entitlement's limits at the window's start (None: it did not exist yet) and each later change
+    (epoch seconds, the limits from then on or None: deleted), oldest first."""
+
+    initial: EntitlementLimits | None
+    changes: tuple[tuple[float, EntitlementLimits | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,19 +166,41 @@ class _Replayed(SimRequest):
 
 
 class ReplayAdmission(TokenPoolsAdmission):
-    """Token-pools admission with the pool's real limits (the snapshot's, not a scenario's) and KV bytes."""
+    """Token-pools admission with the pool's real limits (the snapshot's, not a scenario's) and KV bytes.
+
+    Entitlements follow their lifetimes (`PoolPicture.timelines`) through the seed scenarios' own timed
+    join and leave: one that exists at the window's start joins at 0; a creation or a change later is a join
+    with its new limits then (`upsert_entitlement`, as the gateway's snapshot reload), a deletion a leave."""
 
     def __init__(self, pool: PoolPicture, *, seed: int = 0, tick_s: float = 1.0, config: AdmissionConfig | None = None,
-                 dynamics: DynamicsConfig | None = None) -> None:
+                 dynamics: DynamicsConfig | None = None, start: float = 0.0) -> None:
+        timelines = pool.timelines
+        present = [name for name in pool.entitlements if name not in timelines or timelines[name].initial is not None]
         # Named, not **kwargs: mypyc's compiled build (apps.compiled) mis-forwards **kwargs to a compiled __init__.
-        super().__init__([TenantSpec(name) for name in pool.entitlements], mean_slo_ms=pool.mean_slo_ms, seed=seed,
+        super().__init__([TenantSpec(name) for name in present], mean_slo_ms=pool.mean_slo_ms, seed=seed,
                          tick_s=tick_s, config=config, dynamics=dynamics)
         self.limits = dict(pool.entitlements)
+        for name, timeline in timelines.items():
+            if timeline.initial is not None:
+                self.limits[name] = timeline.initial
+        self.changes = sorted(((max(0.0, at - start), name, limits) for name, timeline in timelines.items()
+                               for at, limits in timeline.changes), key=lambda change: change[0])
         self.pool = pool
 
     def bind(self, cluster: Cluster) -> None:
         super().bind(cluster)
         self.ledger.set_capacity(self.pool.replicas * self.pool.slots_per_replica, 0.0, self.pool.kv_capacity)
+        for at, name, limits in self.changes:
+            # Daemon: a change after the last request keeps nothing running.
+            cluster.loop.at(at, self._change, name, limits, daemon=True)
+
+    def _change(self, name: str, limits: EntitlementLimits | None) -> None:
+        if limits is None:
+            if self.ledger.limits(name) is not None:
+                self._leave(name)
+            return
+        self.limits[name] = limits
+        self._join(name)
 
     def on_capacity_change(self) -> None:
         return None  # the pool's capacity is the snapshot's; a replay has no capacity events
@@ -203,7 +236,7 @@ def replay_pool(records: Sequence[Recorded], pool: PoolPicture, latency: Latency
                            decode_ms_per_token=latency.decode_ms_per_token, num_instances=max(1, pool.replicas),
                            max_num_seqs=max(1, pool.slots_per_replica), max_batched_tokens=None, tenants=[],
                            seed=seed, routing="least-loaded")
-    admission = ReplayAdmission(pool, seed=seed, tick_s=tick_s, config=config, dynamics=dynamics)
+    admission = ReplayAdmission(pool, seed=seed, tick_s=tick_s, config=config, dynamics=dynamics, start=start)
     simulation = Simulation(sim_config, admission, progress=progress)
     if pool.replicas <= 0:  # no replica enabled: nothing may run (the instance is only there to exist)
         simulation.cluster.instances[0].go_offline()

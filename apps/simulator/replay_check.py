@@ -10,12 +10,11 @@ that arrives within a few milliseconds of a slot freeing is admitted or refused 
 and live that order is the machine's (scheduling noise of a few ms on two shared cores), in the replay the
 fitted per-token model's; a flipped open-loop request flips its retry too.
 
-What it cannot check: the entitlements must be the ones the window ran under. A run whose operator creates
-an entitlement partway (Experiment 1's guaranteed-c joining) and deletes it again has no single set of
-"current" entitlements that held throughout: replayed under the set after the run, the deleted one's records
-are not replayed and its slots are free for the others; under a set that includes it, its idle reservation is
-withheld from the others before it joined as well. `run_arm(static_entitlements=True)` runs such a scenario
-with every entitlement in place throughout (the tenant's clients still come and go at their times).
+The entitlements are those the window ran under at each moment: a run whose operator creates an entitlement
+partway (Experiment 1's guaranteed-c joining) and deletes it again is replayed with that entitlement created
+and deleted at the audit log's times (`apps.simulator.lifetimes`), not with the set left after the run.
+`run_arm(static_entitlements=True)` (`experiment --static-entitlements`) still runs such a scenario with every
+entitlement in place throughout, for comparison.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.conf import settings
@@ -31,6 +31,7 @@ from apps.simulator.replay import (
     replay_pool,
     totals,
 )
+from apps.simulator.replay_lifetimes import follow_lifetimes
 
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -148,9 +149,13 @@ def whatif_report(*, records: Sequence[Recorded], since: dt.datetime, until: dt.
     # Virtual time starts at the first record, not at --since: the pool starts empty either way, and a window
     # that opens long before its first record would otherwise tick the EWMA once a second through the silence.
     start = min(r.arrived for r in records)
-    columns: dict[str, Replayed] = {"current": _replay_all(records, current, latencies, start=start, config=config,
+    lifetimes = follow_lifetimes(current, records, start=start, end=until.timestamp(), config=config)
+    followed = lifetimes.pictures
+    columns: dict[str, Replayed] = {"current": _replay_all(records, followed, latencies, start=start, config=config,
                                                            progress=progress)}
+    proposal_notes: list[str] = []
     if proposed is not None:
+        proposed, proposal_notes = _proposal_over(followed, current, proposed)
         columns["proposed"] = _replay_all(records, proposed, latencies, start=start, config=config, progress=progress)
     recorded, recorded_ttft = recorded_figures(records)
     report = _assemble(records, recorded, recorded_ttft, columns, tenant_slugs or {})
@@ -164,24 +169,43 @@ def whatif_report(*, records: Sequence[Recorded], since: dt.datetime, until: dt.
         "replayed_requests": replayed, "wall_seconds": round(wall, 4),
         "records_per_second": round(replayed / wall) if wall > 0 else None,
     }
-    report["caveats"] = _caveats(records, current, proposed, columns, latencies, since, oldest)
-    report["caveats"] += _created_during(records, start)
+    report["caveats"] = _caveats(records, followed, proposed, columns, latencies, since, oldest)
+    report["caveats"] += lifetimes.followed + lifetimes.gaps + proposal_notes
     return report
 
 
-def _created_during(records: Sequence[Recorded], start: float) -> list[str]:
-    """Entitlements with traffic in the window that were created after it began: the replay holds their limits
-    (their reservation) from the window's start, when the live pool did not have them yet. Only those with
-    recorded traffic (the records are already scoped to what the user may see)."""
-    from apps.pools.models import TokenEntitlement
-
-    names = {r.entitlement for r in records}
-    since = dt.datetime.fromtimestamp(start, tz=dt.UTC)
-    late = TokenEntitlement.objects.filter(name__in=names, created_at__gt=since).values_list("name", "created_at")
-    return [f"Entitlement {name!r} was created at {created.isoformat()}, {(created - since).total_seconds():.0f} s "
-            f"into the window: the replay holds its limits (a reservation withheld from the others) from the "
-            f"window's start, when the live pool did not have it; replay the window from its creation on for a "
-            f"faithful comparison." for name, created in sorted(late)]
+def _proposal_over(followed: dict[str, PoolPicture], current: dict[str, PoolPicture],
+                   proposed: dict[str, PoolPicture]) -> tuple[dict[str, PoolPicture], list[str]]:
+    """The proposed column: an entitlement the proposal changes (its limits under the proposal differ from its
+    limits now: created, changed or deleted by it) takes the proposed definition for the whole window, from
+    its start; every other one follows its recorded lifetime, as under current. (An operator asks "what if
+    this had been in force?": in force over the window, not from the moment its entitlement was created.)"""
+    out: dict[str, PoolPicture] = {}
+    changed: set[str] = set()
+    notes = []
+    for name, picture in proposed.items():
+        now = current.get(name)
+        was = now.entitlements if now is not None else {}
+        mine = {ent for ent in set(was) | set(picture.entitlements) if was.get(ent) != picture.entitlements.get(ent)}
+        changed |= mine
+        base = followed.get(name)
+        timelines = {} if base is None else {ent: t for ent, t in base.timelines.items() if ent not in mine}
+        entitlements = {} if base is None else {ent: lim for ent, lim in base.entitlements.items() if ent not in mine}
+        entitlements.update((ent, lim) for ent, lim in picture.entitlements.items() if ent in mine)
+        out[name] = replace(picture, entitlements=entitlements, timelines=timelines)
+        if base is None:
+            continue
+        for ent in sorted(mine & set(picture.entitlements)):
+            timeline = base.timelines.get(ent)
+            if timeline is not None and (timeline.initial is None or timeline.changes):
+                notes.append(f"Entitlement {ent!r} did not hold one definition through the window when recorded "
+                             f"(created, changed or deleted in it: the audit log); under proposed it holds the "
+                             f"proposed one (its reservation included) from the window's start to its end.")
+    if changed:
+        notes.insert(0, f"Under proposed, the entitlements the proposal changes ({', '.join(repr(n) for n in sorted(changed))}) take "
+                        f"its definition for the whole window; the others follow their recorded lifetimes, as "
+                        f"under current.")
+    return out, notes
 
 
 def _assemble(records: Sequence[Recorded], recorded: dict[str, dict[str, Any]], recorded_ttft: dict[str, list[float]],

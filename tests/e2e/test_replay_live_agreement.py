@@ -11,13 +11,14 @@ json` replays every record under the current entitlements. Per entitlement the r
 10% of the recorded and its refused within 25%, plus a small absolute slack (`apps.simulator.replay_check`
 says why: a request arriving as a slot frees is a coin flip either side, and flips its retry too).
 
-guaranteed-c's entitlement is in place throughout (`run_arm(static_entitlements=True)`): its clients come
-and go at 20 s and 40 s, but no operator creates or deletes it. With the experiment's operator (created at
-join, deleted at leave) the entitlements after the run are not those the window ran under, and no replay
-"under the current entitlements" can agree (`replay_check`'s docstring). The clients of guaranteed-a and
-guaranteed-c are closed-loop: replayed under the entitlements they ran under, every decision is the same, so
-they send the same requests; the replay replays those recorded arrivals open-loop, which is exact here.
-Under a *proposed* change it is not (they would have sent more, or less): the report's caveats say so.
+guaranteed-c's entitlement lives as in `make exp-live`: the experiment's operator creates it (and its key)
+through the REST API when its clients join at 20 s and deletes it when they leave at 40 s. The replay "under
+current" follows that lifetime from the audit log (`apps.simulator.lifetimes`): created and deleted at their
+recorded times, not the set left after the run (which has no guaranteed-c: spot-b would get its room). The
+clients of guaranteed-a and guaranteed-c are closed-loop: replayed under the entitlements they ran under, every
+decision is the same, so they send the same requests; the replay replays those recorded arrivals open-loop,
+which is exact here. Under a *proposed* change it is not (they would have sent more, or less): the report's
+caveats say so.
 """
 
 from __future__ import annotations
@@ -66,8 +67,7 @@ def test_a_replay_under_the_current_entitlements_agrees_with_the_live_run(
         backend, _process = stack.enter_context(running_http_server(
             virtual_vllm_cmd(config, port, POOL), port=port, name="virtual-vllm", cwd=REPO, startup_timeout_s=60))
         redis_url = stack.enter_context(running_redis()) if store == "redis" else None
-        records = run_arm(arm, scenario, Backend((backend,), POOL), tmp_path, progress=False, redis_url=redis_url,
-                          static_entitlements=True)
+        records = run_arm(arm, scenario, Backend((backend,), POOL), tmp_path, progress=False, redis_url=redis_url)
         # The server has stopped (SIGTERM: its last flush wrote the request log); Redis is still up, as the
         # replay's settings name it, though the replay reads only the database.
         report = replay_report(site_env(tmp_path, arm_env(arm, scenario, redis_url)))
@@ -78,25 +78,32 @@ def test_a_replay_under_the_current_entitlements_agrees_with_the_live_run(
         print(f"\nreplay-to-live agreement ({SCENARIO.name} cut to {HORIZON_S:.0f} s, {store} store, "
               f"{elapsed:.0f} s wall)\n" + agreement_table(rows)
               + f"\nservice times: {report['window']['service_times']}\nclient side: "
-              + ", ".join(f"{n} {f['admitted']}/{f['rejected']}" for n, f in live.items()))
+              + ", ".join(f"{n} {f['admitted']}/{f['rejected']}" for n, f in live.items())
+              + "\ncaveats:\n- " + "\n- ".join(report["caveats"]))
 
     assert sum(figures["errors"] for figures in live.values()) == 0, live
+    # guaranteed-c was created and deleted during the window, and the replay followed it (no incomplete history).
+    caveats = report["caveats"]
+    assert any("'guaranteed-c' follows its audit history" in c and "created" in c and "deleted" in c
+               for c in caveats), caveats
+    assert not any("incomplete" in c or "contradicts" in c for c in caveats), caveats
     assert set(rows) == {t.name for t in config.tenants}, rows
     # The scenario must make the replay decide something: spot-b refused, the guaranteed ones protected.
     assert rows["spot-b"]["recorded"]["rejected"] > 20, rows["spot-b"]
-    _assert_log_is_complete(rows, live)
+    _assert_log_is_complete(rows, live, warmed={t.name for t in config.tenants if t.start == 0})
     for name, row in rows.items():
         assert row["admitted_ok"], (name, "admitted", row["replayed"]["admitted"], row["recorded"]["admitted"])
         assert row["refused_ok"], (name, "refused", row["replayed"]["rejected"], row["recorded"]["rejected"])
 
 
-def _assert_log_is_complete(rows: dict[str, Any], live: dict[str, Any]) -> None:
-    """What the request log recorded is what the clients saw, plus the warm-up requests (two per key, not
-    counted by the clients), all served. (A warm-up request once answered `state_store_unavailable` on Redis: a
+def _assert_log_is_complete(rows: dict[str, Any], live: dict[str, Any], *, warmed: set[str]) -> None:
+    """What the request log recorded is what the clients saw, plus the warm-up requests (two per key present
+    at the start, `warmed`; a key made at its tenant's join has none; not counted by the clients), all served. (A warm-up request once answered `state_store_unavailable` on Redis: a
     dashboard sample taken on a tick's own event loop had bound the gateway's Redis pool to that loop; fixed in
     `apps.dashboard.telemetry`, so an error here is a defect again.)"""
     for name, figures in live.items():
         recorded = rows[name]["recorded"]
         assert recorded["errors"] == 0, (name, recorded, figures)
-        assert recorded["admitted"] == figures["admitted"] + WARM_UPS, (name, recorded, figures)
+        warm_ups = WARM_UPS if name in warmed else 0
+        assert recorded["admitted"] == figures["admitted"] + warm_ups, (name, recorded, figures)
         assert recorded["rejected"] == figures["rejected"], (name, recorded, figures)

@@ -82,8 +82,11 @@ class Command(BaseCommand):
         parser.add_argument("--replay-check", action="store_true",
                             help="after each gateway arm, replay its request log (manage.py replay) under the current "
                             "entitlements and compare per entitlement with what was recorded (admitted within 10%%, "
-                            "refused within 25%%); the arms then keep every entitlement in place throughout (a joining "
-                            "tenant's is not created at its join nor deleted at its leave: apps.simulator.replay_check)")
+                            "refused within 25%%); the replay follows each entitlement's lifetime from the audit log "
+                            "(a joining tenant's created at its join, deleted at its leave)")
+        parser.add_argument("--static-entitlements", action="store_true",
+                            help="keep every tenant's entitlement in place throughout (its clients still come and go "
+                            "at their times): no entitlement is created or deleted during the arms")
 
     def handle(self, *args: Any, **options: Any) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -167,7 +170,7 @@ class Command(BaseCommand):
                 with private_redis() if arm == "redis" else contextlib.nullcontext() as redis_url:
                     records = run_arm(arm, scaled, backend, out / arm, progress=not options["no_progress"],
                                       redis_url=redis_url, samples=samples, slots_per_replica=per_replica,
-                                      static_entitlements=bool(options["replay_check"]))
+                                      static_entitlements=bool(options["static_entitlements"]))
                     if check:
                         report.setdefault("replay_check", {})[arm] = self._replay_check(arm, scaled, out, redis_url)
                 result = _arm_result(live_outcomes(records), scaled, side="live", admission=arm != "no-admission")
