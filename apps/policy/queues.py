@@ -21,10 +21,12 @@ from apps.policy.admission import (
     EntitlementLimits,
     EntitlementUsage,
     Reason,
+    new_tuple,
     request_priority,
 )
 
 ENQUEUE = "enqueue"
+_QUEUED = Reason.QUEUED.value
 FULL = "full"
 
 
@@ -74,9 +76,13 @@ def own_retry_s(decision: AdmissionDecision, oldest_start: float | None, now: fl
 
 def queued_decision(decision: AdmissionDecision, priority: float, retry_after_s: float) -> AdmissionDecision:
     """The decision of a request that waits in its entitlement's queue (`AdmissionDecision.own_queue`)."""
-    return decision._replace(admitted=False, reason=Reason.QUEUED.value, queued=True, evict=False,
-                             priority=priority, check=decision.check if decision.check in (3, 4) else 3,
-                             retry_after_s=retry_after_s)
+    # decision._replace(admitted=False, reason=QUEUED, retry_after_s=..., queued=True, evict=False, priority=...,
+    # check=...), every field in order (`new_tuple`: `_replace` is interpreted Python, and every queued request
+    # comes here).
+    return new_tuple(AdmissionDecision, (
+        False, _QUEUED, retry_after_s, True, False, decision.retryable, priority, decision.max_tokens,
+        decision.token_cost, decision.kv_bytes, decision.borrowed, decision.slo_tier,
+        decision.check if decision.check in (3, 4) else 3, decision.served_class))
 
 
 def full_decision(decision: AdmissionDecision, retry_after_s: float) -> AdmissionDecision:

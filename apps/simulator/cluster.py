@@ -28,6 +28,16 @@ class GateDecision:
     # The class it is served as: its entitlement's, or lower (spilled over, demoted); "": the policy has none.
     served_class: str = ""
 
+    # Written out (dataclasses keeps a class's own __init__): mypyc compiles this one, the generated one stays
+    # interpreted, and every request gets a decision (make bench-sim).
+    def __init__(self, outcome: str, reason: str = "", retry_after_s: float | None = None, priority: float = 0.0,
+                 served_class: str = "") -> None:
+        self.outcome = outcome
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.priority = priority
+        self.served_class = served_class
+
 
 ADMIT_NOW = GateDecision("admit")
 
