@@ -252,8 +252,6 @@ class EntitlementLimits:
         return (self.kv_bytes or 0.0) if self.traits.reserved else 0.0
 
 
-# How a frozen dataclass's own __init__ sets its fields (what the generated one does).
-_set = object.__setattr__
 # How the hot path builds a NamedTuple: every field, positionally, without the interpreted __new__ that a call of
 # the class runs (make bench-sim: about a tenth of a decision's time under mypyc went to those).
 new_tuple = tuple.__new__
@@ -270,15 +268,16 @@ class AdmissionRequest:
     slo_target_ms: float | None = None
     slo_tier: SloTier | str | None = None
 
-    # Written out (dataclasses keeps a class's own __init__): mypyc compiles this one, while the __init__ that
-    # dataclasses generates stays interpreted; every decision builds a request (make bench-sim).
+    # Written out (dataclasses keeps a class's own __init__): mypyc compiles this one, `object.__setattr__` on a
+    # field into a plain store, while the __init__ that dataclasses generates stays interpreted; every decision
+    # builds a request (make bench-sim).
     def __init__(self, request_id: str, input_tokens: int, max_tokens: int | None = None,
                  slo_target_ms: float | None = None, slo_tier: SloTier | str | None = None) -> None:
-        _set(self, "request_id", request_id)
-        _set(self, "input_tokens", input_tokens)
-        _set(self, "max_tokens", max_tokens)
-        _set(self, "slo_target_ms", slo_target_ms)
-        _set(self, "slo_tier", slo_tier)
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "input_tokens", input_tokens)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "slo_target_ms", slo_target_ms)
+        object.__setattr__(self, "slo_tier", slo_tier)
 
 
 class EntitlementUsage(NamedTuple):

@@ -115,8 +115,6 @@ __all__ = [
 ]
 
 
-# How a frozen dataclass's own __init__ sets its fields (what the generated one does).
-_set = object.__setattr__
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +131,10 @@ class LedgerResult:
     # Written out, as `AdmissionRequest.__init__` (mypyc compiles it; the generated one stays interpreted).
     def __init__(self, decision: AdmissionDecision, started: tuple[str, ...] = (), evicted: tuple[str, ...] = (),
                  quota: QuotaVerdict | None = None) -> None:
-        _set(self, "decision", decision)
-        _set(self, "started", started)
-        _set(self, "evicted", evicted)
-        _set(self, "quota", quota)
+        object.__setattr__(self, "decision", decision)
+        object.__setattr__(self, "started", started)
+        object.__setattr__(self, "evicted", evicted)
+        object.__setattr__(self, "quota", quota)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,8 +143,8 @@ class WakeResult:
     expired: tuple[str, ...] = ()
 
     def __init__(self, started: tuple[str, ...] = (), expired: tuple[str, ...] = ()) -> None:
-        _set(self, "started", started)
-        _set(self, "expired", expired)
+        object.__setattr__(self, "started", started)
+        object.__setattr__(self, "expired", expired)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +154,9 @@ class ReleaseResult:
     refunded_tokens: float = 0.0
 
     def __init__(self, outcome: str, started: tuple[str, ...] = (), refunded_tokens: float = 0.0) -> None:
-        _set(self, "outcome", outcome)
-        _set(self, "started", started)
-        _set(self, "refunded_tokens", refunded_tokens)
+        object.__setattr__(self, "outcome", outcome)
+        object.__setattr__(self, "started", started)
+        object.__setattr__(self, "refunded_tokens", refunded_tokens)
 
 
 @dataclass

@@ -26,7 +26,9 @@ from apps.policy.admission import (
 )
 
 ENQUEUE = "enqueue"
+# Looked up once: an enum's `.value` is a Python-level property.
 _QUEUED = Reason.QUEUED.value
+_RATE_LIMITED = Reason.RATE_LIMIT_EXCEEDED.value
 FULL = "full"
 
 
@@ -56,7 +58,8 @@ def own_limits_decision(limits: EntitlementLimits, decision: AdmissionDecision, 
     if route == ENQUEUE:
         return queued_decision(decision, priority(), retry_s(decision)), ENQUEUE
     if not decision.admitted and not decision.queued and decision.retryable and decision.reason in OWN_LIMIT_REASONS:
-        return decision._replace(retry_after_s=retry_s(decision)), None
+        # decision._replace(retry_after_s=...), written out (`new_tuple`): every throttled request comes here.
+        return new_tuple(AdmissionDecision, (decision[0], decision[1], retry_s(decision), *decision[3:])), None
     return decision, None
 
 
@@ -67,7 +70,7 @@ def own_retry_s(decision: AdmissionDecision, oldest_start: float | None, now: fl
     service time), at least a twentieth of that service time. Once that end has passed (a request running
     longer than expected) the state knows no better than the expected service time: a client told to come back
     at once would only be refused again."""
-    if decision.reason == Reason.RATE_LIMIT_EXCEEDED.value and decision.retry_after_s > 0:
+    if decision.reason == _RATE_LIMITED and decision.retry_after_s > 0:
         return decision.retry_after_s
     if oldest_start is None or oldest_start + expected_service_s <= now:
         return expected_service_s
