@@ -29,6 +29,7 @@ ENQUEUE = "enqueue"
 # Looked up once: an enum's `.value` is a Python-level property.
 _QUEUED = Reason.QUEUED.value
 _RATE_LIMITED = Reason.RATE_LIMIT_EXCEEDED.value
+_QUEUE_FULL = Reason.QUEUE_FULL.value
 FULL = "full"
 
 
@@ -89,9 +90,11 @@ def queued_decision(decision: AdmissionDecision, priority: float, retry_after_s:
 
 
 def full_decision(decision: AdmissionDecision, retry_after_s: float) -> AdmissionDecision:
-    return AdmissionDecision(False, Reason.QUEUE_FULL.value, retry_after_s, check=decision.check or 3,
-                             max_tokens=decision.max_tokens, token_cost=decision.token_cost,
-                             kv_bytes=decision.kv_bytes, slo_tier=decision.slo_tier)
+    # AdmissionDecision(False, QUEUE_FULL, retry_after_s, check=..., max_tokens=..., token_cost=..., kv_bytes=...,
+    # slo_tier=...), every field in order (`new_tuple`).
+    return new_tuple(AdmissionDecision, (
+        False, _QUEUE_FULL, retry_after_s, False, False, True, 0.0, decision.max_tokens, decision.token_cost,
+        decision.kv_bytes, False, decision.slo_tier, decision.check or 3, ""))
 
 
 def within_own_limits(limits: EntitlementLimits, usage: EntitlementUsage, cost: float, kv_bytes: float,
