@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from apps.simulator.engine import EventLoop
 from backends.virtual_vllm.instance import Instance, SimRequest
 
 ROUTING_POLICIES = ("round-robin", "least-loaded", "kv-aware")
@@ -131,7 +132,8 @@ class Stats:
 class Cluster:
     def __init__(
         self,
-        loop: Any,
+        # Typed as the simulator's loop (its only one): under mypyc every `loop.time` is then a native read.
+        loop: EventLoop,
         instances: Sequence[Instance],
         *,
         routing: str = "round-robin",
