@@ -140,13 +140,24 @@ def side_by_side(ref: str, requests: int, rounds: int) -> int:
             print(f"bench.sim: error: cannot export {ref!r}: {archive.stderr.decode().strip()}", file=sys.stderr)
             return 2
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        if compiled_active() and Path(tmp, "bench", "compile_sim.py").is_file():
+            # TOKENPOOLS_COMPILED=1: REF's own hot path compiled too (about a minute); a REF from before the
+            # compiled build runs as pure Python (its "compiled" says which).
+            print(f"bench.sim: compiling {ref}'s hot path", file=sys.stderr)
+            build_env = {key: value for key, value in os.environ.items() if key != "TOKENPOOLS_COMPILED"}
+            subprocess.run([sys.executable, "-m", "bench.compile_sim"], cwd=tmp, env=build_env, check=True,
+                           stdout=subprocess.DEVNULL)
         command = [sys.executable, "-m", "bench.sim", "--requests", str(requests)]
         best: dict[str, dict[str, Any]] = {}
         for _ in range(rounds):
             for label, cwd in ((ref, tmp), ("this tree", str(here))):
                 # `python -m` puts the working directory first on sys.path: each run imports its own tree.
-                out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=True).stdout
-                result = json.loads(out)
+                run_ = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+                if run_.returncode != 0:
+                    last = (run_.stderr.strip().splitlines() or ["no output"])[-1]
+                    print(f"bench.sim: error: the run of {label} failed: {last}", file=sys.stderr)
+                    return 2
+                result = json.loads(run_.stdout)
                 if label not in best or result["requests_per_wall_s"] > best[label]["requests_per_wall_s"]:
                     best[label] = result
     old, new = best[ref], best["this tree"]
@@ -154,8 +165,8 @@ def side_by_side(ref: str, requests: int, rounds: int) -> int:
     print(json.dumps({
         "requests": requests,
         "rounds": rounds,
-        ref: {key: old[key] for key in ("requests_per_wall_s", "wall_s")},
-        "this tree": {key: new[key] for key in ("requests_per_wall_s", "wall_s")},
+        ref: {key: old.get(key) for key in ("requests_per_wall_s", "wall_s", "compiled")},
+        "this tree": {key: new.get(key) for key in ("requests_per_wall_s", "wall_s", "compiled")},
         "speedup": round(new["requests_per_wall_s"] / old["requests_per_wall_s"], 2),
         "same_results": same,
         "load_1min": round(os.getloadavg()[0], 2),

@@ -252,6 +252,11 @@ class EntitlementLimits:
         return (self.kv_bytes or 0.0) if self.traits.reserved else 0.0
 
 
+# How the hot path builds a NamedTuple: every field, positionally, without the interpreted __new__ that a call of
+# the class runs (make bench-sim: about a tenth of a decision's time under mypyc went to those).
+new_tuple = tuple.__new__
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionRequest:
     """One request as the client sized it. `slo_target_ms` and `slo_tier` are the client's hints (llm-d's
@@ -262,6 +267,17 @@ class AdmissionRequest:
     max_tokens: int | None = None
     slo_target_ms: float | None = None
     slo_tier: SloTier | str | None = None
+
+    # Written out (dataclasses keeps a class's own __init__): mypyc compiles this one, `object.__setattr__` on a
+    # field into a plain store, while the __init__ that dataclasses generates stays interpreted; every decision
+    # builds a request (make bench-sim).
+    def __init__(self, request_id: str, input_tokens: int, max_tokens: int | None = None,
+                 slo_target_ms: float | None = None, slo_tier: SloTier | str | None = None) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "input_tokens", input_tokens)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "slo_target_ms", slo_target_ms)
+        object.__setattr__(self, "slo_tier", slo_tier)
 
 
 class EntitlementUsage(NamedTuple):
@@ -376,7 +392,7 @@ class AdmissionDecision(NamedTuple):
 
 
 def _reject(
-    reason: Reason,
+    reason: str,
     check: int,
     retry_after_s: float,
     retryable: bool = True,
@@ -386,18 +402,10 @@ def _reject(
     slo_tier: str = "",
     priority: float = 0.0,
 ) -> AdmissionDecision:
-    return AdmissionDecision(
-        admitted=False,
-        reason=reason.value,
-        retry_after_s=retry_after_s,
-        retryable=retryable,
-        check=check,
-        max_tokens=max_tokens,
-        token_cost=token_cost,
-        kv_bytes=kv_bytes,
-        slo_tier=slo_tier,
-        priority=priority,
-    )
+    # (admitted, reason, retry_after_s, queued, evict, retryable, priority, max_tokens, token_cost, kv_bytes,
+    #  borrowed, slo_tier, check, served_class): `new_tuple`.
+    return new_tuple(AdmissionDecision, (False, reason, retry_after_s, False, False, retryable, priority,
+                                         max_tokens, token_cost, kv_bytes, False, slo_tier, check, ""))
 
 
 def request_priority(
@@ -437,9 +445,17 @@ def resolved_max_tokens(limits: EntitlementLimits, request: AdmissionRequest) ->
     return max_tokens
 
 
-# The two reasons of a decision that goes ahead, looked up once (an enum's `.value` is a Python-level property).
+# The reasons `admit` decides with, looked up once (an enum's `.value` is a Python-level property).
 _ADMITTED = Reason.ADMITTED.value
 _QUEUED = Reason.QUEUED.value
+_NOT_BOUND = Reason.ENTITLEMENT_NOT_BOUND.value
+_INVALID = Reason.INVALID_REQUEST.value
+_CONTEXT_EXCEEDED = Reason.CONTEXT_LENGTH_EXCEEDED.value
+_MAX_TOKENS_INVALID = Reason.MAX_TOKENS_INVALID.value
+_CONCURRENCY_EXCEEDED = Reason.CONCURRENCY_LIMIT_EXCEEDED.value
+_RATE_EXCEEDED = Reason.RATE_LIMIT_EXCEEDED.value
+_KV_EXCEEDED = Reason.KV_CACHE_LIMIT_EXCEEDED.value
+_CONTENDED = Reason.POOL_CONTENDED.value
 
 
 def admit(
@@ -455,7 +471,7 @@ def admit(
         # Pending and Degraded may bind later; Expired never comes back.
         expired = limits.state is EntitlementState.EXPIRED
         return _reject(
-            Reason.ENTITLEMENT_NOT_BOUND,
+            _NOT_BOUND,
             1,
             config.never_retry_s if expired else config.not_bound_retry_s,
             retryable=not expired,
@@ -464,24 +480,24 @@ def admit(
     # (2) output bound
     n_in = request.input_tokens
     if isinstance(n_in, bool) or not isinstance(n_in, int) or n_in < 0:
-        return _reject(Reason.INVALID_REQUEST, 2, config.never_retry_s, retryable=False)
+        return _reject(_INVALID, 2, config.never_retry_s, retryable=False)
     context = limits.context_window
     if n_in >= context:
-        return _reject(Reason.CONTEXT_LENGTH_EXCEEDED, 2, config.never_retry_s, retryable=False)
+        return _reject(_CONTEXT_EXCEEDED, 2, config.never_retry_s, retryable=False)
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, context - n_in)
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        return _reject(Reason.MAX_TOKENS_INVALID, 2, config.never_retry_s, retryable=False)
+        return _reject(_MAX_TOKENS_INVALID, 2, config.never_retry_s, retryable=False)
     elif n_in + max_tokens > context:
-        return _reject(Reason.CONTEXT_LENGTH_EXCEEDED, 2, config.never_retry_s, retryable=False)
+        return _reject(_CONTEXT_EXCEEDED, 2, config.never_retry_s, retryable=False)
     requested_slo = request.slo_target_ms
     if requested_slo is not None and (
         isinstance(requested_slo, bool)
         or not isinstance(requested_slo, int | float)
         or not 0 < requested_slo < math.inf
     ):
-        return _reject(Reason.INVALID_REQUEST, 2, config.never_retry_s, retryable=False)
+        return _reject(_INVALID, 2, config.never_retry_s, retryable=False)
     cost = n_in + max_tokens
     kv_needed = cost * limits.kv_bytes_per_token
     traits = limits._traits
@@ -526,7 +542,7 @@ def admit(
         ceiling = limits.burst_concurrency
         if not traits.may_burst or (ceiling is not None and usage.in_flight >= ceiling) or free_slots <= 0:
             return _reject(
-                Reason.CONCURRENCY_LIMIT_EXCEEDED, 3, config.expected_service_s, True, max_tokens, cost, kv_needed, tier
+                _CONCURRENCY_EXCEEDED, 3, config.expected_service_s, True, max_tokens, cost, kv_needed, tier
             )
         borrowed = True
 
@@ -536,17 +552,17 @@ def admit(
         capacity = limits.bucket_capacity or 0.0
         if cost > capacity or rate <= 0:
             return _reject(
-                Reason.RATE_LIMIT_EXCEEDED, 4, config.never_retry_s, False, max_tokens, cost, kv_needed, tier
+                _RATE_EXCEEDED, 4, config.never_retry_s, False, max_tokens, cost, kv_needed, tier
             )
         return _reject(
-            Reason.RATE_LIMIT_EXCEEDED, 4, (cost - usage.tokens_available) / rate, True, max_tokens, cost, kv_needed, tier
+            _RATE_EXCEEDED, 4, (cost - usage.tokens_available) / rate, True, max_tokens, cost, kv_needed, tier
         )
     chi = limits.kv_bytes
     if chi is not None and kv_needed > 0 and usage.kv_bytes_in_flight + kv_needed > chi:
         ceiling_kv = limits.burst_kv_bytes if traits.may_burst else chi
         if ceiling_kv is not None and kv_needed > ceiling_kv:
             return _reject(
-                Reason.KV_CACHE_LIMIT_EXCEEDED, 4, config.never_retry_s, False, max_tokens, cost, kv_needed, tier
+                _KV_EXCEEDED, 4, config.never_retry_s, False, max_tokens, cost, kv_needed, tier
             )
         if (
             not traits.may_burst
@@ -554,7 +570,7 @@ def admit(
             or free_kv < kv_needed
         ):
             return _reject(
-                Reason.KV_CACHE_LIMIT_EXCEEDED, 4, config.expected_service_s, True, max_tokens, cost, kv_needed, tier
+                _KV_EXCEEDED, 4, config.expected_service_s, True, max_tokens, cost, kv_needed, tier
             )
         borrowed = True
 
@@ -571,19 +587,13 @@ def admit(
     saturated = pool.saturation >= 1.0 and not within_reservation
     contended = free_slots <= 0 or free_kv < kv_needed or saturated
     if not contended:
-        return AdmissionDecision(
-            True,
-            _ADMITTED,
-            priority=priority,
-            borrowed=borrowed,
-            max_tokens=max_tokens,
-            token_cost=cost,
-            kv_bytes=kv_needed,
-            slo_tier=tier,
-        )
+        # AdmissionDecision(True, _ADMITTED, priority=..., borrowed=..., max_tokens=..., token_cost=cost,
+        # kv_bytes=kv_needed, slo_tier=tier), in field order (`new_tuple`).
+        return new_tuple(AdmissionDecision, (True, _ADMITTED, 0.0, False, False, True, priority, max_tokens, cost,
+                                             kv_needed, borrowed, tier, 0, ""))
     if priority <= pool.admission_threshold and not pool.budget_bound:
         return _reject(
-            Reason.POOL_CONTENDED, 5, config.expected_service_s, True, max_tokens, cost, kv_needed, tier, priority
+            _CONTENDED, 5, config.expected_service_s, True, max_tokens, cost, kv_needed, tier, priority
         )
     # Eviction only helps when the request is entitled to the room the victims would free.
     evict = (
@@ -592,18 +602,8 @@ def admit(
         and entitled_slots >= 1
         and entitled_kv >= kv_needed
     )
-    return AdmissionDecision(
-        False,
-        _QUEUED,
-        retry_after_s=0.0,
-        queued=True,
-        evict=evict,
-        priority=priority,
-        borrowed=borrowed,
-        check=5,
-        max_tokens=max_tokens,
-        token_cost=cost,
-        kv_bytes=kv_needed,
-        slo_tier=tier,
-    )
+    # AdmissionDecision(False, _QUEUED, queued=True, evict=evict, priority=..., borrowed=..., check=5, ...), in
+    # field order (`new_tuple`).
+    return new_tuple(AdmissionDecision, (False, _QUEUED, 0.0, True, evict, True, priority, max_tokens, cost, kv_needed,
+                                         borrowed, tier, 5, ""))
 

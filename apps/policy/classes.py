@@ -27,6 +27,7 @@ class Dimension(enum.StrEnum):
 # The dimensions in order, as a tuple: iterating the enum class itself is several times slower, and the
 # EWMA tick does it for every entitlement every second.
 DIMENSIONS: tuple[Dimension, ...] = tuple(Dimension)
+_TOKENS, _KV_BYTES, _CONCURRENCY = Dimension.TOKENS_PER_SECOND, Dimension.KV_BYTES, Dimension.CONCURRENCY
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +38,29 @@ class ResourceVector:
     kv_bytes: float = 0.0
     concurrency: float = 0.0
 
-    def __post_init__(self) -> None:
-        for name in ("tokens_per_second", "kv_bytes", "concurrency"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or math.isnan(value) or value < 0:
-                raise PolicyConfigError(f"{name} must be a non-negative number, got {value!r}")
+    # Written out (dataclasses keeps a class's own __init__): mypyc compiles this one and `object.__setattr__` on a
+    # field into a plain store, the generated one stays interpreted; the EWMA tick builds three per entitlement.
+    def __init__(self, tokens_per_second: float = 0.0, kv_bytes: float = 0.0, concurrency: float = 0.0) -> None:
+        object.__setattr__(self, "tokens_per_second", _amount("tokens_per_second", tokens_per_second))
+        object.__setattr__(self, "kv_bytes", _amount("kv_bytes", kv_bytes))
+        object.__setattr__(self, "concurrency", _amount("concurrency", concurrency))
 
     def get(self, dimension: Dimension) -> float:
-        return float(getattr(self, dimension.value))
+        # By identity, not getattr(self, dimension.value): an enum's `.value` is a Python-level property.
+        if dimension is _TOKENS:
+            return float(self.tokens_per_second)
+        if dimension is _KV_BYTES:
+            return float(self.kv_bytes)
+        if dimension is _CONCURRENCY:
+            return float(self.concurrency)
+        raise ValueError(f"not a dimension: {dimension!r}")
+
+
+def _amount(name: str, value: float) -> float:
+    """A resource amount as given, refused unless it is a non-negative number."""
+    if not isinstance(value, int | float) or math.isnan(value) or value < 0:
+        raise PolicyConfigError(f"{name} must be a non-negative number, got {value!r}")
+    return value
 
 
 class Baseline(enum.StrEnum):

@@ -60,6 +60,7 @@ from apps.policy.admission import (
     admit,
     budget_bound,
     dispatch_capacity,
+    new_tuple,
 )
 from apps.policy.bucket import TokenBucket
 from apps.policy.errors import PolicyConfigError, require_non_negative
@@ -114,6 +115,8 @@ __all__ = [
 ]
 
 
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerResult:
     """A decision plus what it set in motion: requests that started (including this one when it
@@ -125,11 +128,23 @@ class LedgerResult:
     # Where the request's quotas stand after the offer (None: no quota applies).
     quota: QuotaVerdict | None = None
 
+    # Written out, as `AdmissionRequest.__init__` (mypyc compiles it; the generated one stays interpreted).
+    def __init__(self, decision: AdmissionDecision, started: tuple[str, ...] = (), evicted: tuple[str, ...] = (),
+                 quota: QuotaVerdict | None = None) -> None:
+        object.__setattr__(self, "decision", decision)
+        object.__setattr__(self, "started", started)
+        object.__setattr__(self, "evicted", evicted)
+        object.__setattr__(self, "quota", quota)
+
 
 @dataclass(frozen=True, slots=True)
 class WakeResult:
     started: tuple[str, ...] = ()
     expired: tuple[str, ...] = ()
+
+    def __init__(self, started: tuple[str, ...] = (), expired: tuple[str, ...] = ()) -> None:
+        object.__setattr__(self, "started", started)
+        object.__setattr__(self, "expired", expired)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +152,11 @@ class ReleaseResult:
     outcome: str
     started: tuple[str, ...] = ()
     refunded_tokens: float = 0.0
+
+    def __init__(self, outcome: str, started: tuple[str, ...] = (), refunded_tokens: float = 0.0) -> None:
+        object.__setattr__(self, "outcome", outcome)
+        object.__setattr__(self, "started", started)
+        object.__setattr__(self, "refunded_tokens", refunded_tokens)
 
 
 @dataclass
@@ -354,8 +374,8 @@ class AdmissionLedger:
         record = self._entitlements[entitlement_id]
         bucket = record.bucket
         dynamics = record.dynamics
-        # Positional, in EntitlementUsage's field order: every decision builds one (make bench-sim).
-        return EntitlementUsage(
+        # Every field, in EntitlementUsage's order (`new_tuple`): every decision builds one (make bench-sim).
+        return new_tuple(EntitlementUsage, (
             record.in_flight,  # in_flight
             record.kv_in_flight,  # kv_bytes_in_flight
             record.running,  # running
@@ -363,13 +383,13 @@ class AdmissionLedger:
             math.inf if bucket is None else bucket.level(now),  # tokens_available
             dynamics.debt,
             dynamics.burst,
-        )
+        ))
 
     def pool_usage(self) -> PoolUsage:
         lowest = self._lowest_evictable() if self._evictable_heap else None
         budget = self.budget
-        # Positional, in PoolUsage's field order: every decision builds one (make bench-sim).
-        return PoolUsage(
+        # Every field, in PoolUsage's order (`new_tuple`): every decision builds one (make bench-sim).
+        return new_tuple(PoolUsage, (
             self.dispatch_capacity,  # concurrency_capacity
             self.kv_capacity,  # kv_capacity
             self.running,  # running
@@ -383,7 +403,7 @@ class AdmissionLedger:
             self.evictable_running,  # evictable_running
             self.evictable_kv,  # evictable_kv_bytes
             budget is not None and budget <= self.running < self.concurrency_capacity,  # budget_bound
-        )
+        ))
 
     @property
     def waiting(self) -> int:

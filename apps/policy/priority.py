@@ -92,6 +92,11 @@ class Dynamics:
     debt: float = 0.0
     burst: float = 0.0
 
+    # Written out, as `ResourceVector.__init__` (mypyc compiles it; the generated one stays interpreted).
+    def __init__(self, debt: float = 0.0, burst: float = 0.0) -> None:
+        object.__setattr__(self, "debt", debt)
+        object.__setattr__(self, "burst", burst)
+
 
 # An entitlement that owes nothing and has not burst: where every EWMA starts and where idle ones stay.
 AT_REST = Dynamics()

@@ -21,10 +21,15 @@ from apps.policy.admission import (
     EntitlementLimits,
     EntitlementUsage,
     Reason,
+    new_tuple,
     request_priority,
 )
 
 ENQUEUE = "enqueue"
+# Looked up once: an enum's `.value` is a Python-level property.
+_QUEUED = Reason.QUEUED.value
+_RATE_LIMITED = Reason.RATE_LIMIT_EXCEEDED.value
+_QUEUE_FULL = Reason.QUEUE_FULL.value
 FULL = "full"
 
 
@@ -54,7 +59,8 @@ def own_limits_decision(limits: EntitlementLimits, decision: AdmissionDecision, 
     if route == ENQUEUE:
         return queued_decision(decision, priority(), retry_s(decision)), ENQUEUE
     if not decision.admitted and not decision.queued and decision.retryable and decision.reason in OWN_LIMIT_REASONS:
-        return decision._replace(retry_after_s=retry_s(decision)), None
+        # decision._replace(retry_after_s=...), written out (`new_tuple`): every throttled request comes here.
+        return new_tuple(AdmissionDecision, (decision[0], decision[1], retry_s(decision), *decision[3:])), None
     return decision, None
 
 
@@ -65,7 +71,7 @@ def own_retry_s(decision: AdmissionDecision, oldest_start: float | None, now: fl
     service time), at least a twentieth of that service time. Once that end has passed (a request running
     longer than expected) the state knows no better than the expected service time: a client told to come back
     at once would only be refused again."""
-    if decision.reason == Reason.RATE_LIMIT_EXCEEDED.value and decision.retry_after_s > 0:
+    if decision.reason == _RATE_LIMITED and decision.retry_after_s > 0:
         return decision.retry_after_s
     if oldest_start is None or oldest_start + expected_service_s <= now:
         return expected_service_s
@@ -74,15 +80,21 @@ def own_retry_s(decision: AdmissionDecision, oldest_start: float | None, now: fl
 
 def queued_decision(decision: AdmissionDecision, priority: float, retry_after_s: float) -> AdmissionDecision:
     """The decision of a request that waits in its entitlement's queue (`AdmissionDecision.own_queue`)."""
-    return decision._replace(admitted=False, reason=Reason.QUEUED.value, queued=True, evict=False,
-                             priority=priority, check=decision.check if decision.check in (3, 4) else 3,
-                             retry_after_s=retry_after_s)
+    # decision._replace(admitted=False, reason=QUEUED, retry_after_s=..., queued=True, evict=False, priority=...,
+    # check=...), every field in order (`new_tuple`: `_replace` is interpreted Python, and every queued request
+    # comes here).
+    return new_tuple(AdmissionDecision, (
+        False, _QUEUED, retry_after_s, True, False, decision.retryable, priority, decision.max_tokens,
+        decision.token_cost, decision.kv_bytes, decision.borrowed, decision.slo_tier,
+        decision.check if decision.check in (3, 4) else 3, decision.served_class))
 
 
 def full_decision(decision: AdmissionDecision, retry_after_s: float) -> AdmissionDecision:
-    return AdmissionDecision(False, Reason.QUEUE_FULL.value, retry_after_s, check=decision.check or 3,
-                             max_tokens=decision.max_tokens, token_cost=decision.token_cost,
-                             kv_bytes=decision.kv_bytes, slo_tier=decision.slo_tier)
+    # AdmissionDecision(False, QUEUE_FULL, retry_after_s, check=..., max_tokens=..., token_cost=..., kv_bytes=...,
+    # slo_tier=...), every field in order (`new_tuple`).
+    return new_tuple(AdmissionDecision, (
+        False, _QUEUE_FULL, retry_after_s, False, False, True, 0.0, decision.max_tokens, decision.token_cost,
+        decision.kv_bytes, False, decision.slo_tier, decision.check or 3, ""))
 
 
 def within_own_limits(limits: EntitlementLimits, usage: EntitlementUsage, cost: float, kv_bytes: float,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 from apps.policy.admission import AdmissionDecision, Reason
 from apps.policy.quota import QuotaClaim, QuotaVerdict
@@ -111,8 +111,6 @@ class Decided(Protocol):
     def decision(self) -> AdmissionDecision: ...
 
 
-D = TypeVar("D", bound=Decided)
-
 
 @dataclass(frozen=True, slots=True)
 class Reserve:
@@ -149,18 +147,18 @@ Step = Reserve | Decide | Refund | Verdict
 
 
 @dataclass(frozen=True, slots=True)
-class QuotaOutcome(Generic[D]):
+class QuotaOutcome:
     """How an offer under quotas ended: the store's offer (None: refused before the checks, by `refusal`),
     where its quotas stand (None: no quota applies to it), and the claim it holds until its release settles it
     (None: it holds none)."""
 
-    offer: D | None
+    offer: Any  # the store's offer (a `Decided`), or None
     refusal: AdmissionDecision | None
     verdict: QuotaVerdict | None
     hold: QuotaClaim | None
 
 
-def quota_offer(claim: QuotaClaim, *, bound: bool) -> Generator[Step, Any, QuotaOutcome[Any]]:
+def quota_offer(claim: QuotaClaim, *, bound: bool) -> Generator[Step, Any, QuotaOutcome]:
     """An offer under `claim`, as the steps a store answers. `bound`: whether the request's entitlement is bound
     (a demoted request of one that is not is offered as it is, to be refused by check 1, its quota untouched)."""
     verdict = yield Reserve(claim)
@@ -189,7 +187,7 @@ def quota_offer(claim: QuotaClaim, *, bound: bool) -> Generator[Step, Any, Quota
     return QuotaOutcome(offer, None, verdict, hold)
 
 
-def run_sync(sequence: Generator[Step, Any, QuotaOutcome[Any]], answer: Callable[[Step], Any]) -> QuotaOutcome[Any]:
+def run_sync(sequence: Generator[Step, Any, QuotaOutcome], answer: Callable[[Step], Any]) -> QuotaOutcome:
     """Drive the sequence with a store that answers each step at once (the ledger)."""
     reply: Any = None
     while True:
@@ -200,8 +198,8 @@ def run_sync(sequence: Generator[Step, Any, QuotaOutcome[Any]], answer: Callable
         reply = answer(step)
 
 
-async def run_async(sequence: Generator[Step, Any, QuotaOutcome[Any]],
-                    answer: Callable[[Step], Awaitable[Any]]) -> QuotaOutcome[Any]:
+async def run_async(sequence: Generator[Step, Any, QuotaOutcome],
+                    answer: Callable[[Step], Awaitable[Any]]) -> QuotaOutcome:
     """Drive the sequence with a store whose answers are awaited (the Redis store)."""
     reply: Any = None
     while True:

@@ -105,6 +105,19 @@ class WindowFigures:
     rejected_tokens: float = 0.0
     rejected_kv: float = 0.0
 
+    # Written out, as `ResourceVector.__init__` (mypyc compiles it; the generated one stays interpreted).
+    def __init__(self, slot_seconds: float = 0.0, kv_seconds: float = 0.0, waiting_seconds: float = 0.0,
+                 tokens_served: float = 0.0, completed: int = 0, rejected_count: int = 0,
+                 rejected_tokens: float = 0.0, rejected_kv: float = 0.0) -> None:
+        object.__setattr__(self, "slot_seconds", slot_seconds)
+        object.__setattr__(self, "kv_seconds", kv_seconds)
+        object.__setattr__(self, "waiting_seconds", waiting_seconds)
+        object.__setattr__(self, "tokens_served", tokens_served)
+        object.__setattr__(self, "completed", completed)
+        object.__setattr__(self, "rejected_count", rejected_count)
+        object.__setattr__(self, "rejected_tokens", rejected_tokens)
+        object.__setattr__(self, "rejected_kv", rejected_kv)
+
 
 @dataclass(frozen=True, slots=True)
 class WindowReading:
@@ -113,6 +126,11 @@ class WindowReading:
     dynamics: Dynamics
     served: ResourceVector
     demand: ResourceVector
+
+    def __init__(self, dynamics: Dynamics, served: ResourceVector, demand: ResourceVector) -> None:
+        object.__setattr__(self, "dynamics", dynamics)
+        object.__setattr__(self, "served", served)
+        object.__setattr__(self, "demand", demand)
 
 
 # The reading of an entitlement at rest over an empty window: what `window_reading` computes for it.

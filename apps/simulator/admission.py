@@ -280,6 +280,10 @@ class TokenPoolsAdmission:
                     self.cluster.evict(victim, "evicted")
                     # As the gateway does once the victim's stream is cut: settles its quota, if any.
                     self.ledger.release(evicted, now, victim.generated)
+        if not (decision.admitted or decision.queued):
+            # Non-retryable rejections carry no Retry-After; the client falls back to its own backoff.
+            retry = decision.retry_after_s if decision.retryable else None
+            return GateDecision("reject", decision.reason, retry_after_s=retry)
         served = decision.served_class or str(self.limits[tenant].service_class)
         if decision.admitted:
             self.live[key] = request
@@ -287,16 +291,12 @@ class TokenPoolsAdmission:
             if started != (key,) or self.ready:  # the common case: it started alone, nothing to hand back
                 self._collect(tuple(s for s in started if s != key))
             return GateDecision("admit", decision.reason, priority=decision.priority, served_class=served)
-        if decision.queued:
-            self.held[key] = request
-            if decision.own_queue:
-                self.own_held.add(key)
-            self._collect(result.started)
-            self._schedule_wake()
-            return GateDecision("queue", decision.reason, priority=decision.priority, served_class=served)
-        # Non-retryable rejections carry no Retry-After; the client falls back to its own backoff.
-        retry = decision.retry_after_s if decision.retryable else None
-        return GateDecision("reject", decision.reason, retry_after_s=retry)
+        self.held[key] = request
+        if decision.own_queue:
+            self.own_held.add(key)
+        self._collect(result.started)
+        self._schedule_wake()
+        return GateDecision("queue", decision.reason, priority=decision.priority, served_class=served)
 
     def offer_of(self, request: SimRequest) -> AdmissionRequest:
         """What the gateway offers the state machine for this request; a scenario's client asks for exactly the

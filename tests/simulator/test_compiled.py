@@ -54,3 +54,21 @@ def test_compiled_and_python_modules_never_mix(tmp_path: Path) -> None:
     with pytest.raises(ImportError, match="already imported as Python"):
         compiled.install(tmp_path)
     assert not compiled.active()
+
+
+@pytest.mark.skipif(not compiled.active(), reason="runs on the compiled build (TOKENPOOLS_COMPILED=1)")
+def test_the_hot_value_objects_are_built_by_compiled_code() -> None:
+    # An __init__ that dataclasses generates, or a NamedTuple's __new__, is Python code even in a compiled module
+    # (issue 26, item 5: about a sixth of the compiled simulator's time went to them); the hot path's own are not.
+    from types import FunctionType
+
+    from apps.policy.admission import AdmissionRequest
+    from apps.policy.classes import ResourceVector
+    from apps.policy.ledger import LedgerResult, ReleaseResult, WakeResult
+    from apps.policy.priority import Dynamics
+    from apps.policy.window import WindowFigures, WindowReading
+    from apps.simulator.cluster import GateDecision
+
+    hot = (AdmissionRequest, LedgerResult, ReleaseResult, WakeResult, ResourceVector, Dynamics, WindowFigures,
+           WindowReading, GateDecision)
+    assert [cls.__name__ for cls in hot if isinstance(cls.__dict__["__init__"], FunctionType)] == []
