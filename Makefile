@@ -129,7 +129,7 @@ serve: run-venv
 	$(BIN)/python manage.py serve --host $(HOST) --port $(PORT)
 
 # The whole suite on SQLite, then the REST API suite again on a real PostgreSQL started for it.
-test: venv system-deps vllm-venv lint test-sqlite test-postgres
+test: venv system-deps vllm-venv lint test-sqlite test-postgres conformance-compiled
 
 test-sqlite: venv
 	$(PYTEST) -q
