@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis
+import uvloop
 from redis.exceptions import ConnectionError, ReadOnlyError, ResponseError, TimeoutError
 
 from apps.gateway.redis_state import RedisStateStore, _store_failure
@@ -29,7 +30,8 @@ def client(url: str, timeout_s: float = 2.0) -> MultiplexedRedis:
     return calls
 
 
-def test_many_calls_in_flight_on_one_connection_each_get_their_own_reply(redis_url: str) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # the server runs on uvloop (uvicorn's default)
+def test_many_calls_in_flight_on_one_connection_each_get_their_own_reply(redis_url: str, loop: str) -> None:
     key = f"resp:{uuid.uuid4().hex}"
 
     async def run() -> tuple[list[object], set[object]]:
@@ -42,7 +44,8 @@ def test_many_calls_in_flight_on_one_connection_each_get_their_own_reply(redis_u
         finally:
             await calls.aclose()
 
-    replies, ids = asyncio.run(run())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop if loop == "uvloop" else None) as runner:
+        replies, ids = runner.run(run())
     assert replies[:300] == [f"call-{i}" for i in range(300)]
     assert sorted(replies[300:]) == list(range(1, 51))  # RPUSH's lengths: every push counted once
     assert len(ids) == 1  # one connection carried them all
