@@ -41,6 +41,7 @@ from apps.gateway.control import (
 from apps.gateway.control_redis import RedisControlState
 from apps.gateway.redis_state import RedisStateStore
 from apps.policy import Dynamics, EntitlementLimits, ttft_histogram_bounds
+from apps.policy.window import RESTING_READING
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +159,18 @@ def tick_ewma(store_call: StoreCall | None = None,
     except StoreUnavailable as exc:
         logger.debug("ewma tick: %s", exc)
         return None
-    pool_of = {limits.entitlement_id: pool for pool, rows in pools.items() for limits in rows}
     demand: dict[str, float] = {}
-    for name, reading in readings.items():
-        pool = pool_of.get(name)
-        if pool is not None:
-            demand[pool] = demand.get(pool, 0.0) + reading.demand.tokens_per_second
+    for pool, rows in pools.items():  # by pool, with no map of 10,000 names built each second
+        total, read = 0.0, False
+        for limits in rows:
+            reading = readings.get(limits.entitlement_id)
+            if reading is None:
+                continue
+            read = True
+            if reading is not RESTING_READING:  # at rest: no demand
+                total += reading.demand.tokens_per_second
+        if read:
+            demand[pool] = total
     control_state().pool_demand_set(demand)
     return EwmaResult({name: reading.dynamics for name, reading in readings.items()}, demand)
 
