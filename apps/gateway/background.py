@@ -78,6 +78,7 @@ class BackgroundLoops:
         self._idle_cursor: dict[str, int] = {}  # pool -> where the next slice of idle entitlements starts
         self._pool_index: dict[str, tuple[Any, dict[str, EntitlementLimits]]] = {}
         self._viewed_snapshot: Any = None  # the snapshot the last store view read
+        self._held: list[tuple[str, ...]] = []  # that snapshot's (pool, entitlement) pairs
         self._bound: tuple[Any, dict[str, list[EntitlementLimits]]] | None = None  # (snapshot, its Bound ones)
         # (entitlement, unit) -> (used, reserved, limit) of the entitlement's own quota in the current window,
         # and (tenant slug, unit) -> the same of a tenant's shared quota: once per tenant, not per entitlement.
@@ -270,10 +271,10 @@ class BackgroundLoops:
         snapshot = gateway.snapshots.current
         if gateway.store is None or snapshot is None:
             return
-        dynamics, shown = self._last_view(snapshot)
-        # An entitlement shown once stays shown, at 0 when nothing is in flight: its gauge falls to 0, it does
-        # not vanish (one never busy is not listed: 10,000 idle series of zeros would be the scrape's cost).
-        view: dict[tuple[str, ...], float] = dict.fromkeys(shown, 0.0)
+        dynamics, held = self._last_view(snapshot)
+        # Every entitlement of the snapshot, at 0 unless the store holds requests of it (one dict built in C, not
+        # a read of each: the store is asked for the busy ones only).
+        view: dict[tuple[str, ...], float] = dict.fromkeys(held, 0.0)
         store = gateway.store
         try:
             for pool in list(snapshot.pools.values()):
@@ -299,14 +300,15 @@ class BackgroundLoops:
 
     def _last_view(self, snapshot: Any) -> tuple[dict[tuple[str, ...], tuple[float, float, float]],
                                                   list[tuple[str, ...]]]:
-        """The last readings (which the entitlements not read this time keep) and the entitlements the last
-        in-flight view showed; after a new snapshot only those of entitlements it still holds."""
+        """The last readings (which the entitlements not read this time keep; after a new snapshot only those of
+        entitlements it still holds) and the snapshot's (pool, entitlement) pairs, listed once per snapshot."""
         if snapshot is self._viewed_snapshot:
-            return dict(self.store_dynamics), list(self.store_in_flight)
+            return dict(self.store_dynamics), self._held
         self._viewed_snapshot = snapshot
-        held = {(pool.name, limits.entitlement_id) for pool in snapshot.pools.values() for limits in pool.entitlements}
-        return ({key: value for key, value in self.store_dynamics.items() if key in held},
-                [key for key in self.store_in_flight if key in held])
+        self._held = [(pool.name, limits.entitlement_id) for pool in snapshot.pools.values()
+                      for limits in pool.entitlements]
+        held = set(self._held)
+        return {key: value for key, value in self.store_dynamics.items() if key in held}, self._held
 
     def _entitlements_to_read(self, pool: Any, busy: Mapping[str, int]) -> list[EntitlementLimits]:
         """The pool's entitlements whose dynamics this view reads: all of a pool of up to `STORE_VIEW_IDLE_READS`;

@@ -50,10 +50,10 @@ def test_the_store_view_keeps_the_last_reading_of_entitlements_it_does_not_read(
     assert {key[1] for key in gateway.loops.store_dynamics} == {f"e{i}" for i in range(1, 5)}
 
 
-def test_the_in_flight_view_lists_busy_entitlements_and_keeps_those_it_showed_at_zero(
+def test_the_in_flight_view_counts_the_busy_entitlements_and_lists_the_others_at_zero(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An entitlement never busy is not listed (10,000 idle ones would be 10,000 series of zeros); one that was
-    stays listed, at 0, so its gauge falls rather than vanishes."""
+    """The store is asked for its busy entitlements only; every entitlement of the snapshot is listed, at 0 when
+    it holds nothing, so that a gauge falls to 0 rather than vanishes."""
     from apps.gateway.snapshot import PoolInfo
     from apps.policy import AdmissionRequest
 
@@ -79,8 +79,8 @@ def test_the_in_flight_view_lists_busy_entitlements_and_keeps_those_it_showed_at
         return views
 
     busy, after = asyncio.run(run())
-    assert busy == {("p", "e1"): 1.0}
-    assert after == {("p", "e1"): 0.0}
+    assert busy == {("p", "e0"): 0.0, ("p", "e1"): 1.0, ("p", "e2"): 0.0}
+    assert after == {("p", "e0"): 0.0, ("p", "e1"): 0.0, ("p", "e2"): 0.0}
     assert {key[1] for key in gateway.loops.store_dynamics} == {"e0", "e1", "e2"}
 
 
