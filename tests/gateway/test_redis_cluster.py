@@ -84,7 +84,7 @@ def test_four_gateway_processes_on_the_cluster_never_admit_past_concurrency(
     assert len(target.answers) == requests
     # 429: a queue wait past the acquire timeout; 503 (the store slower than its socket timeout on a loaded
     # machine) may happen, rarely; a 500 never.
-    assert set(statuses) <= {200, 429, 503}, statuses
+    assert set(statuses) <= {200, 429, 503}, (statuses, Counter(a.code for a in target.answers if a.status != 200))
     assert statuses[503] <= requests // 100, statuses
     for pool in target.pools:
         assert peaks[pool] <= CONCURRENCY, f"{pool}: {peaks[pool]} at once against a concurrency of {CONCURRENCY}"

@@ -81,8 +81,8 @@ async def _client(target: ClusterSite, pool: str, client: httpx.AsyncClient, sto
         sent = time.monotonic()
         try:
             response = await client.post(f"{target.url}/v1/chat/completions", json=body, headers=headers)
-        except httpx.HTTPError:
-            target.answers.append(Answer(pool, time.monotonic(), 0, "transport", sent))
+        except httpx.HTTPError as exc:  # kept with its kind, so that a failing run says what broke
+            target.answers.append(Answer(pool, time.monotonic(), 0, f"transport {type(exc).__name__}: {exc}", sent))
             continue
         code = ""
         if response.status_code != 200:
