@@ -166,9 +166,8 @@ class MultiplexedRedis:
             protocol = self._protocol
             if protocol is not None and protocol.lost is None and protocol.loop is loop:
                 return protocol
-            if protocol is not None and protocol.loop is loop and protocol.transport is not None:
-                protocol.transport.abort()
-            # One of another event loop (a store used from a fresh `asyncio.run`) is left to that loop.
+            # A lost one was aborted when it was lost (`_Protocol._fail`); one of another event loop (a store
+            # used from a fresh `asyncio.run`) is left to that loop.
             protocol = await self._open()
             self._protocol = protocol
             return protocol

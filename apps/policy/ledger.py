@@ -65,7 +65,7 @@ from apps.policy.admission import (
 from apps.policy.bucket import TokenBucket
 from apps.policy.errors import PolicyConfigError, require_non_negative
 from apps.policy.ledger_records import RUNNING, WAITING, EntitlementRecord, RequestRecord, check_invariants
-from apps.policy.priority import AT_REST, Dynamics, DynamicsConfig
+from apps.policy.priority import Dynamics, DynamicsConfig
 from apps.policy.queues import (
     ENQUEUE,
     offered_priority,
@@ -113,8 +113,6 @@ __all__ = [
     "quota_refusal",
     "used_parts",
 ]
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -937,7 +935,7 @@ class AdmissionLedger:
         entitlements = self._entitlements
         for key in list(self._unsettled):
             record = entitlements[key]
-            if not record.in_flight and record.dynamics == AT_REST and record.window.is_empty():
+            if record.at_rest():
                 self._unsettled.discard(key)
                 continue
             record.accumulate(now)

@@ -59,6 +59,11 @@ class EntitlementRecord:
         """Integrate the current levels up to `now` (call before changing them)."""
         self.window.accumulate(now, self.running, self.kv_running, self.in_flight - self.running)
 
+    def at_rest(self) -> bool:
+        """Nothing in flight, nothing in its window, no debt or burst: a tick leaves it as it is (the ledger's
+        `_unsettled` set holds every entitlement that may not be)."""
+        return not self.in_flight and self.dynamics == AT_REST and self.window.is_empty()
+
     def reserved_idle(self) -> tuple[int, float]:
         limits = self.limits
         if not self.reserved:
@@ -141,5 +146,5 @@ def check_invariants(ledger: AdmissionLedger) -> None:
         assert math.isclose(record.kv_in_flight, sum(r.kv for r in mine), abs_tol=1e-6), key
         if record.bucket is not None:
             assert -1e-9 <= record.bucket._level <= record.bucket.capacity + 1e-9, key
-        if record.in_flight or record.dynamics != AT_REST or not record.window.is_empty():
+        if not record.at_rest():
             assert key in ledger._unsettled, f"{key} is off rest but the tick would pass it by"

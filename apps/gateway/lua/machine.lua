@@ -120,9 +120,9 @@ end
 
 -- An entitlement at rest: nothing in flight, nothing in its window, no debt or burst (AdmissionLedger's
 -- `_unsettled` holds the others): a tick gives it the reading it had, without reading it.
-local WINDOW = {'slot_s', 'kv_s', 'wait_s', 'tok', 'done', 'rej_n', 'rej_tok', 'rej_kv', 'debt', 'burst', 'in_flight'}
+local REST_FIELDS = {'slot_s', 'kv_s', 'wait_s', 'tok', 'done', 'rej_n', 'rej_tok', 'rej_kv', 'debt', 'burst', 'in_flight'}
 local function at_rest(e)
-  for _, name in ipairs(WINDOW) do
+  for _, name in ipairs(REST_FIELDS) do
     if (e[name] or 0) ~= 0 then return false end
   end
   return true
