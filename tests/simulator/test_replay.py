@@ -22,6 +22,7 @@ from apps.pools.models import TokenEntitlement
 from apps.simulator.replay import Recorded, fit_latency
 from apps.simulator.replay_site import ReplayInputError, parse_window
 from tests.pools.factories import acme, admin, make_entitlement, make_pool  # noqa: F401
+from tests.support.manifests import entitlement
 
 pytestmark = pytest.mark.django_db
 
@@ -59,16 +60,13 @@ def record_two_tenants(acme_id: int, globex_id: int) -> None:
 
 
 # The What if tests' proposal: acme-chat down to one slot, no queue.
-PROPOSED_ACME_CHAT = """
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: acme-chat}
-spec:
-  tenantId: acme
-  poolRef: {name: qwen3-8b}
-  resources: {tokensPerSecond: 100, kvCacheGiB: 2, concurrency: 1}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000, queue: {max: 0}}
-"""
+def acme_entitlement(name: str, concurrency: int, queue_max: int | None = 0) -> str:
+    """A guaranteed acme entitlement on qwen3-8b as the proposals of these tests write it."""
+    return entitlement(name, tenant="acme", pool="qwen3-8b", service_class="guaranteed", concurrency=concurrency,
+                       tokens_per_second=100, kv_cache_gib=2, slo_target_ms=2000, queue_max=queue_max)
+
+
+PROPOSED_ACME_CHAT = acme_entitlement("acme-chat", 1)
 
 
 @pytest.fixture
@@ -81,16 +79,7 @@ def window(admin: Any, acme: Any) -> TokenEntitlement:  # noqa: F811  (the impor
 
 def _proposed(tmp_path: Path, *, concurrency: int, extra: str = "") -> str:
     path = tmp_path / "proposed.yaml"
-    path.write_text(f"""
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {{name: acme-chat}}
-spec:
-  tenantId: acme
-  poolRef: {{name: qwen3-8b}}
-  resources: {{tokensPerSecond: 100, kvCacheGiB: 2, concurrency: {concurrency}}}
-  qos: {{serviceClass: guaranteed, sloTargetMs: 2000, queue: {{max: 0}}}}
-{extra}""")
+    path.write_text(acme_entitlement("acme-chat", concurrency) + extra)
     return str(path)
 
 
@@ -137,16 +126,7 @@ def test_halving_concurrency_refuses_more_and_is_never_persisted(window: TokenEn
 
 
 def test_a_proposed_entitlement_without_traffic_is_a_caveat(window: TokenEntitlement, tmp_path: Path) -> None:
-    extra = """---
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: acme-new}
-spec:
-  tenantId: acme
-  poolRef: {name: qwen3-8b}
-  resources: {tokensPerSecond: 100, kvCacheGiB: 2, concurrency: 4}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000}
-"""
+    extra = "---" + acme_entitlement("acme-new", 4, queue_max=None)
     report = _replay("-f", _proposed(tmp_path, concurrency=2, extra=extra))
     assert report["entitlements"]["acme-new"]["current"] is None
     assert report["entitlements"]["acme-new"]["proposed"]["offered"] == 0

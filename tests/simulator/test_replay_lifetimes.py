@@ -22,7 +22,16 @@ from apps.gateway.request_log import Entry, request_log_write
 from apps.pools.models import TokenEntitlement
 from apps.pools.services import entitlement_delete, entitlement_update
 from tests.pools.factories import acme, admin, make_entitlement, make_pool  # noqa: F401
-from tests.simulator.test_replay import COUNT, DURATION_S, GAP_S, SINCE, START, TTFT_MS, UNTIL
+from tests.simulator.test_replay import (
+    COUNT,
+    DURATION_S,
+    GAP_S,
+    SINCE,
+    START,
+    TTFT_MS,
+    UNTIL,
+    acme_entitlement,
+)
 
 pytestmark = pytest.mark.django_db
 CHANGED_AT_S = 12.0
@@ -108,16 +117,7 @@ def test_an_entitlement_created_and_deleted_in_the_window_is_replayed_while_it_e
 
     # A proposal re-creating it holds its definition for the whole window; acme-chat, unchanged, as under current.
     path = tmp_path / "proposed.yaml"
-    path.write_text("""
-apiVersion: tokenpools.io/v1alpha1
-kind: TokenEntitlement
-metadata: {name: acme-burst}
-spec:
-  tenantId: acme
-  poolRef: {name: qwen3-8b}
-  resources: {tokensPerSecond: 100, kvCacheGiB: 2, concurrency: 2}
-  qos: {serviceClass: guaranteed, sloTargetMs: 2000, queue: {max: 0}}
-""")
+    path.write_text(acme_entitlement("acme-burst", 2))
     report = _replay("-f", str(path))
     assert report["entitlements"]["acme-burst"]["proposed"]["rejected"] < _rejected(bursts)
     chat = report["entitlements"]["acme-chat"]
