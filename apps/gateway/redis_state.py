@@ -1,10 +1,12 @@
 """The shared store: the admission state machine of every pool in Redis, for every gateway process.
 
 Each transition of `apps.policy.AdmissionLedger` is one atomic Lua function (`apps/gateway/lua/`: one
-library of transitions plus one entry each, loaded into Redis once as a function library, Redis 7 or later). An offer is two: `READ` returns the snapshot that
-`apps.policy.admit` decides on in Python (one policy implementation), and `COMMIT` applies the decision
-only if the pool's version is unchanged (compare-and-set; else the caller decides again), starting the
-request or putting it in the pool's priority-ordered waiting room, with the evictions the decision allows.
+library of transitions plus one entry each, loaded into Redis once as a function library, Redis 7 or later). An
+offer is two: `READ` returns the snapshot that `apps.policy.admit` decides on in Python (one policy
+implementation), and `COMMIT` applies the decision only if the pool's version is unchanged (compare-and-set;
+else the caller decides again), starting the request or putting it in the pool's priority-ordered waiting
+room, with the evictions the decision allows. A start decided on the snapshot the last reply about the
+entitlement brought is `COMMIT` alone (`apps.gateway.redis_snapshot`: checked against `READ`'s, exactly).
 `RELEASE`, `EXPIRE`, `EVICT`, `SYNC` and `LEASES` start waiters in priority order wherever they run; every
 start, expiry and eviction is published on `tp:gw:events`, where each gateway process hears about its own
 waiters and victims (and a waiter also polls its request's state, in case a notice is lost).
@@ -37,6 +39,7 @@ from redis.exceptions import MaxConnectionsError, ReadOnlyError, RedisError, Res
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from apps.gateway import redis_cluster
+from apps.gateway.redis_snapshot import KeptSnapshots, fingerprint, read_snapshot
 from apps.gateway.resp import MultiplexedRedis
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
@@ -60,15 +63,12 @@ from apps.policy import (
     EntitlementLimits,
     EntitlementState,
     EntitlementUsage,
-    PoolUsage,
     admit,
 )
 from apps.policy.admission import (
     CAPACITY_REASONS,
     DEFAULT_ADMISSION_CONFIG,
     Reason,
-    budget_bound,
-    dispatch_capacity,
 )
 from apps.policy.ledger import RUNNING, WAITING, ReleaseResult
 from apps.policy.priority import DynamicsConfig
@@ -202,10 +202,6 @@ def _capacity_args(pool: PoolInfo, saturation: float, config: AdmissionConfig) -
             repr(float(config.wait_timeout_s)), str(config.max_evictions_per_request)]
 
 
-class InFlightAlready(Exception):
-    """The offered request's id is in flight already (a duplicate: AdmissionLedger.request refuses it)."""
-
-
 class RedisStateStore(GatewayStateStore):
     poll_s = 0.25
 
@@ -240,6 +236,7 @@ class RedisStateStore(GatewayStateStore):
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
+        self._kept = KeptSnapshots()
 
     # --- keys and calls ---------------------------------------------------------------------------------
 
@@ -305,45 +302,15 @@ class RedisStateStore(GatewayStateStore):
         started = await self._call("sync", [self._base(pool.name)],
                                    [self._now(), *_capacity_args(pool, saturation, self.config), signature,
                                     len(pairs), *pairs, *queues])
+        self._kept.forget(pool.name)
         self._notify(started=started)
 
-    async def _snapshot(self, limits: EntitlementLimits, pool: PoolInfo, saturation: float, request_id: str = "",
-                        ) -> tuple[EntitlementUsage, PoolUsage, str, int, float | None]:
-        """The decision's snapshot, the pool's version, the entitlement's queue length and the start of its
-        oldest running request. Raises `InFlightAlready` when `request_id` is in flight."""
+    async def _read(self, limits: EntitlementLimits, pool: PoolInfo, request_id: str = "") -> list[str]:
+        """READ's snapshot of the entitlement, its fields (`apps.gateway.redis_snapshot`)."""
         _, pairs = _reserved_args(pool)
-        raw = (await self._call("read", [self._base(pool.name)],
-                                [self._now(), limits.entitlement_id, *_bucket_args(limits), request_id,
-                                 *pairs])).split(" ")
-        if raw[19] == "1":
-            raise InFlightAlready(request_id)
-        level = _float(raw[4])
-        usage = EntitlementUsage(
-            in_flight=int(_float(raw[0])), kv_bytes_in_flight=_float(raw[1]), running=int(_float(raw[2])),
-            kv_bytes_running=_float(raw[3]), tokens_available=math.inf if limits.bucket_capacity is None else level,
-            debt=_float(raw[5]), burst=_float(raw[6]),
-        )
-        budget: int | None = int(_float(raw[18]))
-        if budget is not None and budget < 0:
-            budget = None
-        running = int(_float(raw[7]))
-        capacity = max(0, pool.concurrency_capacity)
-        pool_usage = PoolUsage(
-            concurrency_capacity=dispatch_capacity(capacity, budget),
-            kv_capacity=pool.kv_capacity,
-            running=running,
-            kv_bytes_running=_float(raw[8]),
-            reserved_idle_concurrency=int(_float(raw[9])),
-            reserved_idle_kv=_float(raw[10]),
-            saturation=saturation,
-            admission_threshold=float(raw[11]) if raw[11] != "" else -math.inf,
-            mean_slo_ms=pool.mean_slo_ms,
-            lowest_evictable_priority=float(raw[12]) if raw[12] != "" else None,
-            evictable_running=int(_float(raw[13])),
-            evictable_kv_bytes=_float(raw[14]),
-            budget_bound=budget_bound(budget, running, capacity),
-        )
-        return usage, pool_usage, raw[15], int(_float(raw[16])), float(raw[17]) if raw[17] != "" else None
+        return str(await self._call("read", [self._base(pool.name)],
+                                    [self._now(), limits.entitlement_id, *_bucket_args(limits), request_id,
+                                     *pairs])).split(" ")
 
     async def offer(
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
@@ -437,10 +404,19 @@ class RedisStateStore(GatewayStateStore):
                              saturation: float) -> AdmissionDecision | None:
         """`admit`'s decision for a request offered under its entitlement's tier (`apps.policy.tiers`), or None
         when the pool changed since the entitlement's own snapshot (`version`)."""
-        usage, pool_usage, tier_version, _, _ = await self._snapshot(tier, pool, saturation)
-        if tier_version != version:
+        snapshot = read_snapshot(await self._read(tier, pool), tier, pool, saturation)
+        if snapshot.version != version:
             return None
-        return served_as(admit(tier, usage, tier_pool(pool_usage, owner, owner_usage), request, self.config), tier)
+        return served_as(admit(tier, snapshot.usage, tier_pool(snapshot.pool_usage, owner, owner_usage), request,
+                               self.config), tier)
+
+    async def _decided_on(self, limits: EntitlementLimits, pool: PoolInfo, request_id: str, kept: list[str] | None,
+                          fresh: list[str] | None) -> tuple[list[str], str]:
+        """The snapshot an offer decides on, and its fingerprint when it is a kept one ('' for READ's, which
+        COMMIT checks by the pool's version)."""
+        if kept is not None:
+            return kept, fingerprint(kept)
+        return (fresh if fresh is not None else await self._read(limits, pool, request_id)), ""
 
     async def _offer(
         self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float,
@@ -448,12 +424,18 @@ class RedisStateStore(GatewayStateStore):
     ) -> Offer:
         signature, pairs = _reserved_args(pool)
         owner = limits
-        for attempt in range(MAX_ATTEMPTS):
+        # A start may be decided on the snapshot this process kept from its last reply for the entitlement, and
+        # committed in one call (apps.gateway.redis_snapshot); anything else is decided on READ's.
+        kept = None if demote else self._kept.get(pool.name, owner.entitlement_id)
+        fresh: list[str] | None = None  # READ's snapshot, as a failed COMMIT of a kept one brings it
+        attempt = 0
+        while attempt < MAX_ATTEMPTS:
             limits = owner
-            try:
-                usage, pool_usage, version, queue_length, oldest_start = await self._snapshot(
-                    limits, pool, saturation, request.request_id)
-            except InFlightAlready:
+            fields, print_ = await self._decided_on(limits, pool, request.request_id, kept, fresh)
+            fresh = None
+            snapshot = read_snapshot(fields, limits, pool, saturation)
+            usage, version, queue_length = snapshot.usage, snapshot.version, snapshot.queue_length
+            if not print_ and snapshot.duplicate:
                 duplicate = AdmissionDecision(False, Reason.INVALID_REQUEST.value, self.config.never_retry_s,
                                               retryable=False, check=0)
                 return Offer(duplicate, None, RateView(), REJECTED)
@@ -461,16 +443,20 @@ class RedisStateStore(GatewayStateStore):
             if demote:
                 tier = owner.tier_limits(DEMOTED_CLASS)
             else:
-                decision = admit(limits, usage, pool_usage, request, self.config)
+                decision = admit(limits, usage, snapshot.pool_usage, request, self.config)
                 if spills(limits, decision, queue_length):
                     assert limits.spillover_class is not None
                     tier = limits.tier_limits(limits.spillover_class)
+            if print_ and (tier is not None or not decision.admitted or queue_length > 0):
+                kept = None  # not a start on its own limits: decided again on READ's snapshot
+                continue
             if tier is not None:
                 # Offered as the lower class (AdmissionLedger._spillover, _request_demoted): decided on the same
                 # version of the pool as the entitlement's own decision, or read again.
                 tier_decision = await self._tier_decision(tier, owner, usage, version, pool, request, saturation)
                 if tier_decision is None:
                     await asyncio.sleep(random.uniform(0, min(CAS_BACKOFF_CAP_S, CAS_BACKOFF_S * 2**attempt)))
+                    attempt += 1
                     continue
                 if demote or tier_decision.admitted:
                     limits, decision = tier, tier_decision
@@ -478,15 +464,20 @@ class RedisStateStore(GatewayStateStore):
             mode = RUNNING if decision.admitted else WAITING
             decision, route = own_limits_decision(
                 limits, decision, queue_length,
-                partial(own_retry_s, oldest_start=oldest_start, now=self._clock_now(),
+                partial(own_retry_s, oldest_start=snapshot.oldest_start, now=self._clock_now(),
                         expected_service_s=self.config.expected_service_s),
                 partial(offered_priority, limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config))
             if route == ENQUEUE:
                 mode = QUEUED
+            if print_ and mode != RUNNING:
+                kept = None
+                continue
             if not decision.admitted and not decision.queued:
                 if decision.reason in CAPACITY_REASONS:
                     await self._call("refuse", [self._base(pool.name)],
                                      [self._now(), limits.entitlement_id, decision.token_cost, repr(decision.kv_bytes)])
+                if limits is owner:  # READ's snapshot: the next offer may start on it
+                    self._kept.keep(pool.name, owner.entitlement_id, " ".join(fields))
                 return Offer(decision, None, rate_view(limits, usage.in_flight, usage.tokens_available), REJECTED)
             raw = await self._call(
                 "commit", [self._base(pool.name)],
@@ -494,17 +485,21 @@ class RedisStateStore(GatewayStateStore):
                  mode, repr(decision.priority), decision.token_cost,
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
-                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), "", "", signature,
-                 self._queue_arg(limits), *pairs],
+                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), print_,
+                 "1" if limits is owner else "", signature, self._queue_arg(limits), *pairs],
             )
             if int(raw[0]) == 1:
                 offer = self._committed(limits, pool, request, decision, raw)
                 if limits is not owner:  # spilled over: the headers speak of the entitlement's own limits
                     offer = replace(offer, view=rate_view(owner, usage.in_flight, usage.tokens_available))
                 return offer
+            if print_:  # the kept snapshot was out of date: decide again on READ's, which the reply brings
+                kept, fresh = None, str(raw[1]).split(" ")
+                continue
             # Another process took room in between: decide again on fresh state, after a jittered wait that
             # doubles with each try, so two processes admitting in step do not keep colliding.
             await asyncio.sleep(random.uniform(0, min(CAS_BACKOFF_CAP_S, CAS_BACKOFF_S * 2**attempt)))
+            attempt += 1
         contended = AdmissionDecision(False, Reason.POOL_CONTENDED.value, retry_after_s=0.1, check=5)
         return Offer(contended, None, RateView(), REJECTED)
 
@@ -515,6 +510,8 @@ class RedisStateStore(GatewayStateStore):
             self._expect(request.request_id)
         self._notify(started=[s for s in started if s != request.request_id], evicted=evicted)
         tokens = math.inf if limits.bucket_capacity is None else _float(raw[5])
+        if len(raw) > 7 and raw[7]:
+            self._kept.keep(pool.name, limits.entitlement_id, str(raw[7]))
         return Offer(decision, reservation_for(limits, pool.name, request, decision),
                      rate_view(limits, int(_float(raw[4])), tokens), state, started, evicted)
 
@@ -531,6 +528,8 @@ class RedisStateStore(GatewayStateStore):
         )
         self._notify(started=raw[1])
         outcome = str(raw[0])
+        if len(raw) > 4:  # the entitlement's snapshot after the release: its next offer may start on it
+            self._kept.keep(reservation.pool, reservation.entitlement, str(raw[4]))
         if reservation.quota_scope is not None:  # settled as the ledger settles it (apps.policy.quota_offer)
             prompt, output = settlement(outcome, reservation.input_tokens, reservation.max_tokens, completion_tokens,
                                         prompt_tokens)
@@ -591,8 +590,7 @@ class RedisStateStore(GatewayStateStore):
 
     async def entitlement_usage(self, *, limits: EntitlementLimits, pool: str) -> EntitlementUsage:
         info = PoolInfo(pool, "-", (), 0, 0.0, 0, 1)
-        usage, _pool, _version, _queued, _oldest = await self._snapshot(limits, info, 0.0)
-        return usage
+        return read_snapshot(await self._read(limits, info), limits, info, 0.0).usage
 
     async def record_fields(self, *, pool: str, field: str, records: Sequence[str]) -> list[Any]:
         """`field` of each of the pool's records ("pool", "ent:<id>", "req:<id>"; MessagePack maps that only

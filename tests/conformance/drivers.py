@@ -244,17 +244,18 @@ class LedgerDriver:
 
 
 class InterleavedRedisStore(RedisStateStore):
-    """The Redis store with a seam between an offer's read and its commit: `between` (once set) runs right
-    after the next read, so another store's offer can change the pool before this one commits; commits that
-    met a changed pool are counted (the compare-and-set failures the `Race` step must provoke)."""
+    """The Redis store with a seam between an offer's snapshot (READ's, or one kept from an earlier reply) and
+    its commit: `between` (once set) runs right after the next offer has its snapshot, so another store's offer
+    can change the pool before this one commits; commits that met a changed pool are counted (the
+    compare-and-set failures the `Race` step must provoke)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.between: Callable[[], Awaitable[Any]] | None = None
         self.stale_commits = 0
 
-    async def _snapshot(self, *args: Any, **kwargs: Any) -> Any:
-        snapshot = await super()._snapshot(*args, **kwargs)
+    async def _decided_on(self, *args: Any, **kwargs: Any) -> Any:
+        snapshot = await super()._decided_on(*args, **kwargs)
         between, self.between = self.between, None
         if between is not None:
             await between()

@@ -2,20 +2,38 @@
 -- one read (else {0}: the caller reads again). The request is charged (bucket, in flight, KV) and either
 -- starts or waits; a waiting one may evict lower-priority preemptible work (AdmissionLedger.request). A queued
 -- one joins its entitlement's queue charged nothing (AdmissionLedger._enqueue).
+-- A decision taken on a snapshot the caller kept from an earlier reply (no READ: one call, not two) comes with
+-- that snapshot's fingerprint, and stands only if the snapshot READ would give now has the same and the
+-- bucket still holds the charge: then the decision is the one READ's snapshot would have given. Else the
+-- reply is {0, READ's snapshot now}, and the caller decides again on it.
 -- KEYS: pool prefix.
 -- ARGV: now, version, request id, entitlement id, 'running'|'waiting'|'queued', priority, token cost, KV bytes,
 --       input tokens, max tokens, evictable (1/0), evict (1/0), bucket capacity, bucket rate, pool capacity,
---       KV capacity, saturation, wait timeout, max evictions, lease seconds, (two unused), reservation signature, the entitlement's queue limits ("concurrency burst_concurrency kv_bytes
---       burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), then the reservations as pairs (only read when
---       the signature changed).
+--       KV capacity, saturation, wait timeout, max evictions, lease seconds, the kept snapshot's fingerprint
+--       ('' = decided on READ's), '1' to have the entitlement's snapshot after the transition in the reply
+--       (its last element, else ''), reservation signature, the entitlement's queue limits ("concurrency
+--       burst_concurrency kv_bytes burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), then the
+--       reservations as pairs (only read when the signature changed, or to take a snapshot).
+-- Reply: {1, state, started, evicted, in flight, bucket level, 0, snapshot after}, or {0} / {0, snapshot}.
 local now = clock(ARGV[1])
 local pool = load(POOL)
-if field(pool, 'ver') ~= tonumber(ARGV[2]) then return {0} end
-local reserved = nil
-if pool.res_sig ~= tonumber(ARGV[23]) then
-  reserved = {}
-  for i = 25, #ARGV do table.insert(reserved, ARGV[i]) end
+local pairs_given = {}
+for i = 25, #ARGV do table.insert(pairs_given, ARGV[i]) end
+if ARGV[21] ~= '' then
+  local fields, level = snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), ARGV[3], pairs_given, now)
+  if fingerprint(fields) ~= ARGV[21] or fields[20] == '1' or level < tonumber(ARGV[7]) then
+    return {0, table.concat(fields, ' ')}
+  end
+elseif field(pool, 'ver') ~= tonumber(ARGV[2]) then
+  return {0}
 end
+-- The entitlement's snapshot once the transition is saved, when asked for (nothing is written after `save`).
+local function after()
+  if ARGV[22] ~= '1' then return '' end
+  return table.concat((snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), '', pairs_given, now)), ' ')
+end
+local reserved = nil
+if pool.res_sig ~= tonumber(ARGV[23]) then reserved = pairs_given end
 pool = pool_config(now, ARGV[15], ARGV[16], ARGV[17], ARGV[18], ARGV[19], reserved)
 pool.res_sig = tonumber(ARGV[23])
 local id = ARGV[3]
@@ -43,7 +61,7 @@ if ARGV[5] == 'queued' then
   redis.call('ZADD', WAIT_T, fmt(r.dl), r.wm)
   took_room(pool)
   save()
-  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), 0}
+  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), 0, after()}
 end
 charge(e, r, now)
 if ARGV[5] == 'running' then
@@ -67,4 +85,4 @@ publish('e', evicted)
 local others = {}
 for _, other in ipairs(started) do if other ~= id then table.insert(others, other) end end
 publish('s', others)
-return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), 0}
+return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), 0, after()}

@@ -564,3 +564,40 @@ local function took_room(pool)
   pool.ver = pool.ver + 1
   touch(pool)
 end
+
+-- READ's snapshot of entitlement `id` as a list of fields (read.lua lists them), and its bucket level. With
+-- `capacity` nil the bucket keeps the limits it was last given (a snapshot taken after RELEASE). `reserved` is
+-- a flat list of pairs as in `idle_reservations`. Nothing is written, whatever it loads.
+local function snapshot(id, capacity, rate, request_id, reserved, now)
+  local e = entitlement(id, now)
+  if capacity ~= nil then bucket_limits(e, capacity, rate, now) end
+  local level = bucket_level(e, now)
+  local pool = load(POOL)
+  local idle_slots, idle_kv = idle_reservations(reserved, '')
+  local low = redis.call('ZRANGE', PRIO, 0, 0, 'WITHSCORES')
+  local low_evict = redis.call('ZRANGE', EVICT, 0, 0, 'WITHSCORES')
+  -- The oldest start only matters to a refusal by its own limits (Retry-After): read when they are reached.
+  local oldest = {}
+  if (limit(e, 'conc') >= 0 and e.in_flight >= e.conc) or (limit(e, 'kvl') >= 0 and e.kv_in_flight > 0) then
+    oldest = redis.call('ZRANGE', run_key(id), 0, 0, 'WITHSCORES')
+  end
+  -- An evicted request's record waits for its late release: it is no longer in flight.
+  local held = request_id ~= '' and request(request_id) or nil
+  local duplicate = (held ~= nil and held.state ~= 'evicted') and '1' or '0'
+  return {fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(e.kv_running), fmt(level),
+          fmt(e.debt), fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')),
+          fmt(idle_slots), fmt(idle_kv), low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')),
+          fmt(field(pool, 'ev_kv')), fmt(field(pool, 'ver')),
+          fmt(field(e, 'qlen')), oldest[2] or '', fmt(pool.budget or -1), duplicate}, level
+end
+
+-- What a decision taken on a snapshot depends on, but for the bucket's level, which only rises with time (a
+-- charge moves the levels beside it), the oldest start (read for refusals only) and the duplicate flag:
+-- apps.gateway.redis_state.fingerprint writes the same from READ's reply.
+local function fingerprint(fields)
+  local kept = {}
+  for i, value in ipairs(fields) do
+    if i ~= 5 and i ~= 18 and i ~= 20 then table.insert(kept, value) end
+  end
+  return table.concat(kept, ' ')
+end

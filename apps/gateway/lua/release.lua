@@ -5,15 +5,17 @@
 -- only that (the eviction already released it).
 -- KEYS: pool prefix.  ARGV: now, request id, output tokens ('' = unknown), prompt tokens (''),
 -- tenant id ('' = record no usage), minute.
+-- Reply: {outcome, started, refund, usage recorded (1/0), the entitlement's snapshot after it (as READ gives
+-- it, for the caller's next decision; '' when nothing was released)}.
 local now = clock(ARGV[1])
 local id = ARGV[2]
 local r = request(id)
-if r == nil then return {'unknown', {}, '0', 0} end
+if r == nil then return {'unknown', {}, '0', 0, ''} end
 local served_prompt, served_completion = math.max(0, tonumber(ARGV[4]) or 0), math.max(0, tonumber(ARGV[3]) or 0)
 if r.state == 'evicted' then
   local recorded = record_usage(ARGV[5], r.ent, ARGV[6], served_prompt, served_completion)
   redis.call('DEL', req_key(id))
-  return {'unknown', {}, '0', recorded}
+  return {'unknown', {}, '0', recorded, ''}
 end
 local pool = load(POOL)
 local recorded = 0
@@ -53,4 +55,5 @@ started = drain(pool, now)
 if #started > 0 then took_room(pool) end
 save()
 publish('s', started)
-return {outcome, started, fmt(refund), recorded}
+local after = snapshot(r.ent, nil, nil, '', redis.call('HGETALL', RES), now)
+return {outcome, started, fmt(refund), recorded, table.concat(after, ' ')}

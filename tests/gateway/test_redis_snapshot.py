@@ -1,0 +1,170 @@
+"""Offers decided on a snapshot kept from the last reply (apps.gateway.redis_snapshot), on a real Redis: one
+call instead of two when nothing changed, and the decision READ's snapshot would give whenever something did
+(another process took room or freed it, a tick moved the debt, the bucket's limits shrank, the id is a
+duplicate). That the outcomes are the ledger's in every scenario is tests/conformance's job; these are the
+cases where a kept snapshot is out of date."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from apps.gateway.redis_snapshot import KeptSnapshots, fingerprint
+from apps.gateway.redis_state import RedisStateStore
+from apps.policy import AdmissionRequest
+from tests.gateway.test_redis_state import limits, pool, request
+
+pytestmark = pytest.mark.redis
+
+
+class CountingStore(RedisStateStore):
+    """The Redis store, counting its script calls by name."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calls: Counter[str] = Counter()
+
+    async def _call(self, name: str, keys: list[str], args: Any) -> Any:
+        self.calls[name] += 1
+        return await super()._call(name, keys, args)
+
+
+def with_stores(redis_url: str, count: int, body: Any) -> Any:
+    prefix = f"t{uuid.uuid4().hex}:"
+
+    async def run() -> Any:
+        stores = [CountingStore(url=redis_url, prefix=prefix) for _ in range(count)]
+        try:
+            return await body(*stores)
+        finally:
+            for store in stores:
+                await store.close()
+
+    return asyncio.run(run())
+
+
+def test_an_offer_after_a_reply_about_its_entitlement_is_one_call(redis_url: str) -> None:
+    async def body(store: CountingStore) -> list[Counter[str]]:
+        ent = limits("e")
+        p = pool("p", 100, ent)
+        await store.sync_pool(pool=p)
+        seen = []
+        for _ in range(3):
+            store.calls.clear()
+            offer = await store.offer(limits=ent, pool=p, request=request())
+            assert offer.state == "running" and offer.reservation is not None
+            seen.append(Counter(store.calls))
+            await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=10)
+        return seen
+
+    first, second, third = with_stores(redis_url, 1, body)
+    assert first == Counter(read=1, commit=1)  # nothing kept yet
+    assert second == third == Counter(commit=1)
+
+
+def test_room_another_process_took_meanwhile_is_seen(redis_url: str) -> None:
+    async def body(first: CountingStore, second: CountingStore) -> tuple[str, str | None, Counter[str]]:
+        ent = limits("e", concurrency=2)
+        p = pool("p", 100, ent)
+        await first.sync_pool(pool=p)
+        await second.sync_pool(pool=p)
+        kept = await first.offer(limits=ent, pool=p, request=request())  # first keeps in_flight 1
+        await second.offer(limits=ent, pool=p, request=request())  # the second and last slot of the entitlement
+        first.calls.clear()
+        late = await first.offer(limits=ent, pool=p, request=request())
+        assert kept.reservation is not None
+        return late.state, late.decision.reason, Counter(first.calls)
+
+    state, reason, calls = with_stores(redis_url, 2, body)
+    assert (state, reason) == ("rejected", "concurrency_limit_exceeded")
+    # The kept snapshot (1 in flight of 2) started it; COMMIT refused that and brought READ's snapshot (2 of 2),
+    # on which it was refused (and the refusal counted in the demand window): no READ of its own.
+    assert calls == Counter(commit=1, refuse=1)
+
+
+def test_room_another_process_freed_meanwhile_is_seen(redis_url: str) -> None:
+    async def body(first: CountingStore, second: CountingStore) -> str:
+        ent = limits("e", concurrency=1)
+        p = pool("p", 100, ent)
+        await first.sync_pool(pool=p)
+        held = await first.offer(limits=ent, pool=p, request=request())  # first keeps: at the limit
+        assert held.reservation is not None
+        await second.release(reservation=held.reservation, prompt_tokens=5, completion_tokens=10)
+        # A release moves no version: only the kept snapshot's refusal sends this offer back to READ.
+        return (await first.offer(limits=ent, pool=p, request=request())).state
+
+    assert with_stores(redis_url, 2, body) == "running"
+
+
+def test_a_tick_that_moved_the_debt_meanwhile_sets_the_priority(redis_url: str) -> None:
+    async def body(first: CountingStore, second: CountingStore, fresh: CountingStore) -> tuple[float, ...]:
+        ent = limits("e")
+        p = pool("p", 100, ent)
+        await first.sync_pool(pool=p)
+        before = await first.offer(limits=ent, pool=p, request=request())
+        assert before.reservation is not None
+        await first.release(reservation=before.reservation, prompt_tokens=5, completion_tokens=10)
+        # Another process's EWMA tick writes a debt (the DYNAMICS transition the tick ends with).
+        await second._call("dynamics", [second._base("p")], ["e", "40.0", "0.0"])
+        after = await first.offer(limits=ent, pool=p, request=request())
+        read = await fresh.offer(limits=ent, pool=p, request=request())  # decided on READ's snapshot
+        assert after.reservation is not None and read.reservation is not None
+        return before.reservation.priority, after.reservation.priority, read.reservation.priority
+
+    before, after, read = with_stores(redis_url, 3, body)
+    assert after == read != before
+
+
+def test_a_bucket_shrunk_below_the_charge_is_seen(redis_url: str) -> None:
+    async def body(store: CountingStore) -> tuple[str, str | None]:
+        wide = limits("e", tokens_per_second=1.0, token_bucket_seconds=100.0)  # 100 tokens
+        p = pool("p", 100, wide)
+        await store.sync_pool(pool=p)
+        first = await store.offer(limits=wide, pool=p, request=request())  # 15 tokens: 85 kept
+        assert first.reservation is not None
+        narrow = limits("e", tokens_per_second=1.0, token_bucket_seconds=10.0)  # 10 tokens: under a charge
+        offer = await store.offer(limits=narrow, pool=pool("p", 100, narrow), request=request())
+        return offer.state, offer.decision.reason
+
+    assert with_stores(redis_url, 1, body) == ("rejected", "rate_limit_exceeded")
+
+
+def test_a_duplicate_id_is_refused_on_a_kept_snapshot_too(redis_url: str) -> None:
+    async def body(store: CountingStore) -> tuple[str, str | None, int]:
+        ent = limits("e")
+        p = pool("p", 100, ent)
+        await store.sync_pool(pool=p)
+        offered = AdmissionRequest("same-id", input_tokens=5, max_tokens=10)
+        assert (await store.offer(limits=ent, pool=p, request=offered)).state == "running"
+        again = await store.offer(limits=ent, pool=p, request=offered)
+        in_flight = (await store.entitlement_usage(limits=ent, pool="p")).in_flight
+        return again.state, again.decision.reason, in_flight
+
+    assert with_stores(redis_url, 1, body) == ("rejected", "invalid_request", 1)
+
+
+def test_kept_snapshots_are_bounded_and_forgotten_with_their_pool() -> None:
+    kept = KeptSnapshots(limit=2)
+    kept.keep("p", "a", "1 2")
+    kept.keep("q", "b", "3 4")
+    assert kept.get("p", "a") == ["1", "2"]
+    kept.forget("p")
+    assert kept.get("p", "a") is None and kept.get("q", "b") == ["3", "4"]
+    kept.keep("q", "c", "5 6")
+    kept.keep("q", "d", "7 8")  # a third entry: the bound starts the shortcuts again
+    assert kept.get("q", "b") is None and kept.get("q", "d") == ["7", "8"]
+    kept.keep("q", "e", "")  # nothing to keep
+    assert kept.get("q", "e") is None
+
+
+def test_a_fingerprint_leaves_out_the_level_the_oldest_start_and_the_duplicate_flag() -> None:
+    fields = [str(i) for i in range(20)]
+    changed = list(fields)
+    changed[4], changed[17], changed[19] = "99", "98", "1"
+    assert fingerprint(fields) == fingerprint(changed)
+    changed[5] = "97"  # the debt
+    assert fingerprint(fields) != fingerprint(changed)
