@@ -113,8 +113,7 @@ def policy_state_against_cpu(device: str, slots: int = 4096, rows: int = 16, voc
     position = torch.arange(slots // rows).repeat(rows)
     seen = torch.full((rows,), slots // rows, dtype=torch.long)
     live = torch.ones(slots, dtype=torch.bool)
-    dev_pool = [t.to(device) for t in (owner, position, live)]
-    protected = ProtectedTokens(*dev_pool, 4, 8, rows)
+    protected = ProtectedTokens(owner.to(device), position.to(device), live.to(device), 4, 8, rows)
     protected.admit(torch.arange(slots, device=device), seen.to(device))
     host_protected = ProtectedTokens(owner, position, live, 4, 8, rows)
     host_protected.admit(torch.arange(slots), seen)

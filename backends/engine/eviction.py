@@ -132,11 +132,11 @@ class ProtectedTokens:
     def _ensure_rows(self, num_rows: int) -> None:
         if not self.host_paths:
             if self.device_window.shape[0] < num_rows:
-                grown = self.device_window.new_full(
+                wider = self.device_window.new_full(
                     (max(num_rows, 2 * self.device_window.shape[0]), self.device_window.shape[1]), -1
                 )
-                grown[: self.device_window.shape[0]] = self.device_window
-                self.device_window = grown
+                wider[: self.device_window.shape[0]] = self.device_window
+                self.device_window = wider
             return
         if self.window.shape[0] < num_rows:
             grown = np.full((max(num_rows, 2 * self.window.shape[0]), self.window.shape[1]), -1, np.int64)
