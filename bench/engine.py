@@ -5,7 +5,9 @@
   token per stream arrives, then the policy observes attention, prices and evicts voluntarily. Only the
   policy's share is timed (keeping the protected mask included, with the runner's own incremental
   `ProtectedTokens`; the model's forward and the pool's own bookkeeping, its free list included, are
-  not). p50/p99 over `--steps` steps, one thread unless `--threads` says otherwise.
+  not). p50/p99 over `--steps` steps, one thread unless `--threads` says otherwise. `--device cuda`: the
+  pool, the attention, the logits and the policy's tensors on the GPU (the same seeded draws, made on the
+  CPU and copied there untimed); the clock is read after `torch.cuda.synchronize()`.
 - Benchmark 2 (`--throughput`): output tokens/s, p50/p95 request latency and preemptions at
   `--throughput-streams` (16, 64, 128), each policy (none = full cache, fifo, lru, h2o, token-pd,
   token-pd-ewma) at the same KV budget (`--budget-fraction` of what the streams hold at the end of average
@@ -14,6 +16,8 @@
   `--length-scale`), Poisson arrivals (open loop, `--arrival-rate` requests/s per stream), the same seeded
   workload for every policy. `--throughput-mode http` (default): one `manage.py engine` subprocess per run,
   streamed over HTTP, preemptions and peak KV read from its /metrics; `inprocess`: the scheduler stepped here.
+  `--device cuda` runs the model and its KV cache on the GPU (both modes); the pool's per-slot metadata and
+  the policy stay on the CPU, where the engine keeps them.
 - Benchmark 1 (`--quality`): iso-quality memory. `--quality-sequences` (32) teacher-forced windows of held-out
   code (files `train_tiny` never trained on) share one budget M; per policy a bisection over M (resolution
   `--quality-resolution` of the full need, the full-cache reference computed once) finds the smallest M whose
@@ -61,32 +65,49 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def device_clock(device: str) -> Any:
+    """`time.perf_counter`, read once the device has finished what was queued (CUDA runs asynchronously)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return clock
+
+
 def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed: int,
-                   vocab: int = OVERHEAD_VOCAB) -> dict[str, float | None]:
+                   vocab: int = OVERHEAD_VOCAB, device: str = "cpu") -> dict[str, float | None]:
     """Simulates the runner's policy calls over a full pool; only the policy's share is timed (the return
-    predictor's forecast from each new token's logits and its training step included)."""
+    predictor's forecast from each new token's logits and its training step included). On `device`: the
+    pool's tensors, the attention, the logits and the policy's own state all live there."""
     import torch
 
     from backends.engine.eviction import EvictionPolicy, PoolView, ProtectedTokens, make_policy
 
+    clock = device_clock(device)
+    on = torch.device(device)
     sinks, recent = 4, 8
     slots = streams * tokens
-    generator = torch.Generator().manual_seed(seed)
-    owner = torch.arange(streams).repeat_interleave(tokens)
-    position = torch.arange(tokens).repeat(streams)
-    live = torch.ones(slots, dtype=torch.bool)
-    birth = torch.arange(slots)
-    seen = torch.full((streams,), tokens, dtype=torch.long)
-    running = torch.arange(streams)
-    every_stream = torch.arange(streams)
-    row_cached = torch.full((streams,), tokens, dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)  # CPU draws, copied over: the same inputs on every device
+    owner = torch.arange(streams, device=on).repeat_interleave(tokens)
+    position = torch.arange(tokens, device=on).repeat(streams)
+    live = torch.ones(slots, dtype=torch.bool, device=on)
+    birth = torch.arange(slots, device=on)
+    seen = torch.full((streams,), tokens, dtype=torch.long, device=on)
+    running = torch.arange(streams, device=on)
+    every_stream = torch.arange(streams, device=on)
+    row_cached = torch.full((streams,), tokens, dtype=torch.long, device=on)
     policy = make_policy(policy_name)
     reads_logits = type(policy).on_logits is not EvictionPolicy.on_logits
-    policy.bind(slots, 512, slots, streams)
-    policy.on_insert(torch.arange(slots), 0)
+    policy.bind(slots, 512, slots, streams, device=on)
+    policy.on_insert(torch.arange(slots, device=on), 0)
     births = slots
     protected = ProtectedTokens(owner, position, live, sinks, recent, streams)
-    protected.admit(torch.arange(slots), seen)
+    protected.admit(torch.arange(slots, device=on), seen)
     used = slots
 
     def view(step: int) -> PoolView:
@@ -114,24 +135,24 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
     current = view(0)
     for step in range(1, steps + 11):
         # One decode step's attention: skewed per stream (a few heavy tokens), zero on free slots.
-        mass = torch.rand(slots, generator=generator).pow_(4).mul_(live)
-        mass /= torch.zeros(streams).index_add_(0, owner, mass)[owner].clamp_(min=1e-30)
+        mass = torch.rand(slots, generator=generator).pow_(4).to(on).mul_(live)
+        mass /= torch.zeros(streams, device=on).index_add_(0, owner, mass)[owner].clamp_(min=1e-30)
         # Each stream's next-token logits, peaked to a different degree (only a policy that reads them).
         logits = (torch.randn(streams, vocab, generator=generator)
-                  * torch.rand(streams, 1, generator=generator) * 6) if reads_logits else None
+                  * torch.rand(streams, 1, generator=generator) * 6).to(on) if reads_logits else None
         if logits is not None:
-            floor_started = time.perf_counter()
+            floor_started = clock()
             torch.log_softmax(logits, dim=-1)
             if step > 10:
-                floor.append((time.perf_counter() - floor_started) * 1000)
+                floor.append((clock() - floor_started) * 1000)
         # The pool's free list (the runner's pool keeps one; not the policy's share, so not timed).
         free = (~live).nonzero().squeeze(1)
-        started = time.perf_counter()
+        started = clock()
         need = streams - free.numel()
         # The exact cut-off (with the view from the end of the previous step, as the runner reuses it).
         victims = policy.make_room(current, need) if need > 0 else free[:0]
         protected.forget(victims)
-        paused = time.perf_counter()
+        paused = clock()
         # The pool's own bookkeeping (not the policy's): free the victims, give each stream one new token.
         live[victims] = False
         new_slots = torch.cat([free, victims])[:streams]
@@ -139,12 +160,12 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
         owner[new_slots] = every_stream
         position[new_slots] = seen
         seen += 1
-        birth[new_slots] = torch.arange(births, births + streams)
+        birth[new_slots] = torch.arange(births, births + streams, device=on)
         births += streams
         used += streams - victims.numel()  # the pool's count (`num_used`), as the runner reads it
         # What the runner knows from its sequence table without a pass over the pool.
         row_cached.copy_(torch.bincount(owner[live], minlength=streams))
-        resumed = time.perf_counter()
+        resumed = clock()
         policy.on_insert(new_slots, step)
         protected.admit(new_slots, seen)
         current = view(step)
@@ -155,7 +176,7 @@ def bench_overhead(policy_name: str, streams: int, tokens: int, steps: int, seed
         live[voluntary] = False
         used -= voluntary.numel()
         policy.end_step(current, used + max(0, need))
-        finished = time.perf_counter()
+        finished = clock()
         voluntary_total += voluntary.numel()
         if step > 10:
             samples.append((paused - started + finished - resumed) * 1000)
@@ -260,6 +281,7 @@ def prompt_ids(index: int, length: int, vocab: int, seed: int) -> list[int]:
 def bench_throughput_inprocess(
     model_dir: str, policy: str, streams: int, budget_tokens: int, workload: list[WorkloadRequest], seed: int,
     prompts: list[list[int]] | None = None, generated_ids: dict[int, list[int]] | None = None,
+    device: str | None = None,
 ) -> dict[str, float]:
     """Benchmark 2 in one process: the scheduler stepped in a loop, requests submitted at their arrival.
 
@@ -278,7 +300,7 @@ def bench_throughput_inprocess(
     from backends.engine.runner import EngineRunner, RunnerConfig
 
     runner = EngineRunner(
-        model_dir, policy, RunnerConfig(budget_tokens=budget_tokens, max_batch_size=streams)
+        model_dir, policy, RunnerConfig(budget_tokens=budget_tokens, max_batch_size=streams), device=device
     )
     scheduler = ContinuousBatchScheduler(
         runner,
@@ -433,7 +455,7 @@ def bench_throughput_http(
     vocab = LlamaConfig.from_folder(Path(args.model)).vocab_size
     options = ["--policy", policy, "--kv-budget-mib", f"{budget_mib:.6f}", "--max-num-seqs", str(streams),
                "--max-pending", str(len(workload) + 16), "--tenant-max-concurrent", str(streams),
-               "--threads", str(args.threads), "--served-model-name", "tiny"]
+               "--threads", str(args.threads), "--served-model-name", "tiny", "--device", args.device]
     with serving_engine(args.model, options) as base:
         result = asyncio.run(drive_http_open_loop(base, "tiny", workload, vocab, args.seed))
         metrics = httpx.get(base + "/metrics", timeout=30).text
@@ -458,7 +480,9 @@ def bench_throughput(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
             if args.throughput_mode == "http":
                 result = bench_throughput_http(args, policy, streams, budget_mib, workload)
             else:
-                result = bench_throughput_inprocess(args.model, policy, streams, budget, workload, args.seed)
+                result = bench_throughput_inprocess(
+                    args.model, policy, streams, budget, workload, args.seed, device=args.device
+                )
             result.update(
                 mode=args.throughput_mode,
                 budget_tokens_asked=budget,
@@ -470,7 +494,8 @@ def bench_throughput(args: argparse.Namespace) -> list[tuple[str, int, dict]]:
             rows.append((policy, streams, result))
             print(
                 f"throughput[{args.throughput_mode}] {policy:<10} streams {streams:4d}  "
-                f"{result['tokens_per_s']:8.0f} tok/s  p95 {result['p95_latency_s']:7.2f} s  "
+                f"{result['tokens_per_s']:8.0f} tok/s  p50 {result['p50_latency_s']:7.2f} s  "
+                f"p95 {result['p95_latency_s']:7.2f} s  "
                 f"peak KV {result['peak_kv_tokens']:.0f}/{budget}  preempt {result['preemptions']:.0f}  "
                 f"wall {result['wall_s']:.0f} s",
                 flush=True,
@@ -1075,6 +1100,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="cached tokens per stream")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="benchmark 3: where the pool and the policy run; benchmark 2: the engine's --device (cpu, cuda)",
+    )
     parser.add_argument("--policies", nargs="+", default=list(OVERHEAD_POLICIES))
     parser.add_argument("--throughput", action="store_true", help="also run benchmark 2 on the tiny model")
     parser.add_argument(
@@ -1185,7 +1215,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_flush_denormal(True)
     overhead = []
     for name in args.policies:
-        result = bench_overhead(name, args.streams, args.tokens, args.steps, args.seed)
+        result = bench_overhead(name, args.streams, args.tokens, args.steps, args.seed, device=args.device)
         overhead.append((name, result))
         floor = result["log_softmax_p99_ms"]
         print(

@@ -14,6 +14,10 @@ The engine drives a policy in this order each step:
 Before `observe`, `on_logits` gives a policy the next-token logits of each decoded sequence's newest token:
 Token-PD (`token-pd`, the seed's policy) forecasts that token's return from them with its MLP.
 Sinks and recent tokens are protected by the engine for every policy alike (`view.protected`).
+
+A policy keeps its tensors on the device `bind` names (the pool's). On the CPU the per-step index work
+goes through NumPy views of the same memory (`host_paths`); on any other device the same updates are
+torch operations on that device, dense over the pool where a GPU makes a pass cheaper than an index set.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from backends.engine.return_predictor import ReturnPredictor
 
 @dataclass
 class PoolView:
-    """What a policy may read about the pool at one step (CPU tensors indexed by slot)."""
+    """What a policy may read about the pool at one step (tensors indexed by slot, on the pool's device)."""
 
     live: torch.Tensor  # bool
     protected: torch.Tensor  # bool, live tokens no policy may evict (sinks and recent window)
@@ -103,20 +107,37 @@ class ProtectedTokens:
         sinks: int,
         recent: int,
         num_rows: int = 64,
+        host_paths: bool | None = None,
     ) -> None:
         self.owner = owner  # the pool's own tensors, read (never written) here
         self.position = position
         self.live = live
         self.sinks = sinks
         self.recent = recent
-        self.mask = torch.zeros(owner.numel(), dtype=torch.bool)
+        self.mask = torch.zeros(owner.numel(), dtype=torch.bool, device=owner.device)
         # A step touches only a few hundred slots, so the per-operation cost dominates; NumPy views of the
         # same memory cost a fraction of torch's per-call overhead for such small gathers and scatters.
+        # Off the CPU the same steps are torch operations on the pool's device (`_admit_on_device`);
+        # `host_paths=False` takes those on a CPU pool too (tests compare the two).
+        self.host_paths = owner.device.type == "cpu" if host_paths is None else host_paths
+        if not self.host_paths:
+            self.device_window = torch.full(
+                (num_rows, max(1, recent)), -1, dtype=torch.long, device=owner.device
+            )
+            return
         self._owner, self._position, self._live = owner.numpy(), position.numpy(), live.numpy()
         self._mask = self.mask.numpy()
         self.window = np.full((num_rows, max(1, recent)), -1, dtype=np.int64)
 
     def _ensure_rows(self, num_rows: int) -> None:
+        if not self.host_paths:
+            if self.device_window.shape[0] < num_rows:
+                wider = self.device_window.new_full(
+                    (max(num_rows, 2 * self.device_window.shape[0]), self.device_window.shape[1]), -1
+                )
+                wider[: self.device_window.shape[0]] = self.device_window
+                self.device_window = wider
+            return
         if self.window.shape[0] < num_rows:
             grown = np.full((max(num_rows, 2 * self.window.shape[0]), self.window.shape[1]), -1, np.int64)
             grown[: self.window.shape[0]] = self.window
@@ -127,6 +148,9 @@ class ProtectedTokens:
         if slots.numel() == 0:
             return
         self._ensure_rows(seen_by_row.numel())
+        if not self.host_paths:
+            self._admit_on_device(slots, seen_by_row)
+            return
         new = slots.numpy()
         rows = self._owner[new]
         positions = self._position[new]
@@ -159,16 +183,44 @@ class ProtectedTokens:
         self._mask[at[left]] = False
         self.window[rows, column] = new
 
+    def _admit_on_device(self, new: torch.Tensor, seen_by_row: torch.Tensor) -> None:
+        """`admit` in torch operations (the pool on a GPU): the same steps as the NumPy path."""
+        rows = self.owner[new]
+        positions = self.position[new]
+        start = seen_by_row[rows] - self.recent
+        in_window = positions >= start
+        self.mask[new] = (positions < self.sinks) | in_window
+        if self.recent == 0:
+            return
+        new, rows, positions, start = new[in_window], rows[in_window], positions[in_window], start[in_window]
+        column = positions % self.recent
+        held = self.device_window[rows, column]
+        at = held.clamp(min=0)
+        held_position = self.position[at]
+        left = (
+            (held >= 0)
+            & (self.owner[at] == rows)
+            & self.live[at]
+            & (held_position < start)
+            & (held_position >= self.sinks)
+        )
+        self.mask[at[left]] = False
+        self.device_window[rows, column] = new
+
     def forget(self, slots: torch.Tensor) -> None:
         """These slots were freed (evicted)."""
         if slots.numel():
-            self._mask[slots.numpy()] = False
+            if self.host_paths:
+                self._mask[slots.numpy()] = False
+            else:
+                self.mask[slots] = False
 
     def release_row(self, row: int, slots: torch.Tensor) -> None:
         """The sequence in `row` left the pool, giving back `slots`."""
         self.forget(slots)
-        if row < self.window.shape[0]:
-            self.window[row] = -1
+        window = self.window if self.host_paths else self.device_window
+        if row < window.shape[0]:
+            window[row] = -1
 
     def from_scratch(self, seen_by_row: torch.Tensor) -> torch.Tensor:
         """The same mask computed over the whole pool (what `admit` keeps incrementally; for tests)."""
@@ -182,7 +234,7 @@ _PATCH_MIN_SLOTS = 16384  # below this many slots a masked fill costs less than 
 def lowest_scored(score: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
     """Slots of the `count` lowest scores among `candidates` (all of them if there are fewer)."""
     if count <= 0:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=score.device)
     available = int(torch.sum(candidates, dtype=torch.int32))  # int32: twice as fast as bool -> int64
     if count >= available:
         return sparse_nonzero(candidates)
@@ -218,7 +270,7 @@ def lowest_scored_per_owner(
     owners = owner[index]
     counts = torch.bincount(owners, minlength=excess.numel())
     starts = counts.cumsum(0) - counts
-    rank = torch.arange(index.numel()) - starts[owners]
+    rank = torch.arange(index.numel(), device=index.device) - starts[owners]
     return index[rank < excess[owners]]
 
 
@@ -230,12 +282,14 @@ def _lowest_scored_one_per_owner(
     owners = owner.clamp(min=0)
     wanted = candidates & (excess[owners] > 0)
     masked = score.double().masked_fill(~wanted, float("inf"))
-    lowest = torch.full((rows,), float("inf"), dtype=torch.float64).scatter_reduce_(0, owners, masked, "amin")
+    lowest = torch.full((rows,), float("inf"), dtype=torch.float64, device=score.device).scatter_reduce_(
+        0, owners, masked, "amin"
+    )
     at_minimum = wanted & (masked == lowest[owners])
     # Ties keep only the first slot per owner, so each owner gives up exactly one token.
-    slots = torch.arange(score.numel())
+    slots = torch.arange(score.numel(), device=score.device)
     sentinel = score.numel()
-    first = torch.full((rows,), sentinel, dtype=torch.long).scatter_reduce_(
+    first = torch.full((rows,), sentinel, dtype=torch.long, device=score.device).scatter_reduce_(
         0, owners, torch.where(at_minimum, slots, sentinel), "amin"
     )
     return first[first < sentinel]
@@ -247,11 +301,25 @@ class EvictionPolicy:
     name = "none"
     evicts = False
 
-    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
+    def bind(
+        self,
+        num_slots: int,
+        bytes_per_token: int,
+        budget_tokens: int,
+        max_batch_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """Size the per-slot state for the pool and put it on the pool's `device`."""
         self.num_slots = num_slots
         self.bytes_per_token = bytes_per_token
         self.budget_tokens = budget_tokens
         self.max_batch_size = max_batch_size
+        self.device = torch.device(device)
+        # NumPy views of the policy's own tensors (CPU only); elsewhere the same updates in torch.
+        self.host_paths = self.device.type == "cpu"
+
+    def _no_slots(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.long, device=self.device)
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
         """New tokens took these slots."""
@@ -268,11 +336,11 @@ class EvictionPolicy:
 
     def make_room(self, view: PoolView, need: int) -> torch.Tensor:
         if not self.evicts:
-            return torch.zeros(0, dtype=torch.long)
+            return self._no_slots()
         return lowest_scored(self.scores(view), view.evictable, need)
 
     def voluntary_evictions(self, view: PoolView) -> torch.Tensor:
-        return torch.zeros(0, dtype=torch.long)
+        return self._no_slots()
 
     def end_step(self, view: PoolView, demand_tokens: int) -> None:
         """Called once per step after evictions; `demand_tokens` counts what the step wanted to keep."""
@@ -294,10 +362,17 @@ class LruPolicy(EvictionPolicy):
     name = "lru"
     evicts = True
 
-    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
+    def bind(
+        self,
+        num_slots: int,
+        bytes_per_token: int,
+        budget_tokens: int,
+        max_batch_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
         # float32 counts steps exactly up to 2**24; the top-k over float32 is the cheapest there is.
-        self.last_used = torch.zeros(num_slots, dtype=torch.float32)
+        self.last_used = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
         self.last_used[slots] = float(step)
@@ -323,9 +398,16 @@ class H2OPolicy(EvictionPolicy):
     def __init__(self, per_sequence_budget: int | None = None) -> None:
         self.per_sequence_budget = per_sequence_budget
 
-    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
-        self.accumulated = torch.zeros(num_slots, dtype=torch.float32)
+    def bind(
+        self,
+        num_slots: int,
+        bytes_per_token: int,
+        budget_tokens: int,
+        max_batch_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
+        self.accumulated = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
         # The paper fixes k per sequence; the default splits M evenly over a full batch.
         self.k = self.per_sequence_budget or max(2, budget_tokens // max(1, max_batch_size))
 
@@ -344,7 +426,7 @@ class H2OPolicy(EvictionPolicy):
         held = torch.bincount(owners[view.live], minlength=view.num_rows)
         excess = (held - self.k).clamp(min=0)
         if int(excess.sum()) == 0:
-            return torch.zeros(0, dtype=torch.long)
+            return self._no_slots()
         recent = view.position >= view.seen_of_owner() - self.k // 2
         # Only the sequences over their budget take part in the per-sequence sort.
         candidates = view.evictable & ~recent & (excess[owners] > 0)
@@ -388,17 +470,26 @@ class TokenPDPolicy(EvictionPolicy):
     def __init__(self, params: TokenPDParams | None = None) -> None:
         self.params = params or TokenPDParams()
 
-    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
-        self.ret = torch.zeros(num_slots, dtype=torch.float32)
-        self.ret_sq = torch.zeros(num_slots, dtype=torch.float32)
-        self.observed = torch.zeros(num_slots, dtype=torch.bool)
+    def bind(
+        self,
+        num_slots: int,
+        bytes_per_token: int,
+        budget_tokens: int,
+        max_batch_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
+        self.ret = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self.ret_sq = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self.observed = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
         self.mu = self.params.initial_price_per_token / bytes_per_token
         self.busy_steps = 0  # steps since the batch last emptied: the t of the step size
         self.priced_out_total = 0
-        self._value = torch.zeros(num_slots, dtype=torch.float32)
+        self._value = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self._mask = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
+        if not self.host_paths:
+            return
         self._priced_out = np.zeros(num_slots, dtype=np.bool_)
-        self._mask = torch.zeros(num_slots, dtype=torch.bool)
         # Every slot not yet observed since its token arrived is in here (duplicates allowed): the fresh
         # tokens of a step are found among these instead of by a pass over the pool. The per-step index
         # work is on a few hundred slots, where NumPy's per-call cost is a fraction of torch's.
@@ -410,6 +501,11 @@ class TokenPDPolicy(EvictionPolicy):
         )
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
+        if not self.host_paths:
+            self.ret[slots] = 0.0
+            self.ret_sq[slots] = 0.0
+            self.observed[slots] = False
+            return
         new = slots.numpy()
         self._ret_np[new] = 0.0
         self._ret_sq_np[new] = 0.0
@@ -417,6 +513,9 @@ class TokenPDPolicy(EvictionPolicy):
         self._unobserved = np.concatenate([self._unobserved, new])
 
     def observe(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        if not self.host_paths:
+            self._observe_dense(view, mass, stepped)
+            return
         alpha = self.params.ewma_alpha
         ret, ret_sq, observed = self._ret_np, self._ret_sq_np, self._observed_np
         # Dense in-place updates over the whole pool (a few passes, no gathers); the rare slots that must
@@ -448,6 +547,22 @@ class TokenPDPolicy(EvictionPolicy):
         # Written into a preallocated buffer: a fresh pool-sized tensor per step costs page faults.
         torch.addcmul(self.ret, self.ret, self.ret, value=lam, out=self._value).sub_(self.ret_sq, alpha=lam)
 
+    def _observe_dense(self, view: PoolView, mass: torch.Tensor, stepped: torch.Tensor) -> None:
+        """`observe` as passes over the whole pool (a GPU): no index sets, so no host round trip.
+
+        The same averages as the host path: a token of a live sequence that sat the step out keeps its
+        averages, a token's first observation seeds them, every other slot moves by the exponential average.
+        """
+        alpha, lam = self.params.ewma_alpha, self.params.risk_aversion
+        sat_out = torch.gt(view.live, stepped, out=self._mask)  # live & ~stepped
+        fresh = stepped & ~self.observed
+        moved = torch.where(fresh, mass, torch.lerp(self.ret, mass, alpha))
+        moved_sq = torch.where(fresh, mass * mass, torch.addcmul(self.ret_sq * (1 - alpha), mass, mass, value=alpha))
+        self.ret.copy_(torch.where(sat_out, self.ret, moved))
+        self.ret_sq.copy_(torch.where(sat_out, self.ret_sq, moved_sq))
+        self.observed |= stepped
+        torch.addcmul(self.ret, self.ret, self.ret, value=lam, out=self._value).sub_(self.ret_sq, alpha=lam)
+
     def risk(self) -> torch.Tensor:
         return (self.ret_sq - self.ret * self.ret).clamp(min=0.0)
 
@@ -464,8 +579,13 @@ class TokenPDPolicy(EvictionPolicy):
 
     def voluntary_evictions(self, view: PoolView) -> torch.Tensor:
         if not self.use_price:
-            return torch.zeros(0, dtype=torch.long)
+            return self._no_slots()
         price = self.price_per_token(view)
+        if not self.host_paths:
+            priced_out = (self._value < price) & self.observed & view.live & ~view.protected
+            victims = priced_out.nonzero().squeeze(1)
+            self.priced_out_total += int(victims.numel())
+            return victims
         threshold = price.numpy() if isinstance(price, torch.Tensor) else price
         # g = R - lambda*sigma^2 - mu*c < 0, over observed, live, unprotected slots. In NumPy: its
         # comparisons and logical ands write a bool mask of the pool several times faster than torch's.
@@ -526,11 +646,18 @@ class TokenPDPredictorPolicy(TokenPDPolicy):
         super().__init__(params)
         self.predictor = predictor
 
-    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
-        self.forecast = torch.zeros(num_slots, dtype=torch.float32)
-        self.has_forecast = torch.zeros(num_slots, dtype=torch.bool)
-        self.observations = torch.zeros(num_slots, dtype=torch.float32)
+    def bind(
+        self,
+        num_slots: int,
+        bytes_per_token: int,
+        budget_tokens: int,
+        max_batch_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
+        self.forecast = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self.has_forecast = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
+        self.observations = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
         super().on_insert(slots, step)
@@ -539,7 +666,7 @@ class TokenPDPredictorPolicy(TokenPDPolicy):
 
     def on_logits(self, view: PoolView, slots: torch.Tensor, logits: torch.Tensor) -> None:
         if self.predictor is None:
-            self.predictor = ReturnPredictor(logits.shape[-1])
+            self.predictor = ReturnPredictor(logits.shape[-1], device=self.device)
         self.forecast[slots] = self.predictor.forecast(slots, view.birth[slots], logits, view.step)
         self.has_forecast[slots] = True
 
@@ -585,14 +712,24 @@ class PerRequestTokenPDPolicy(TokenPDPredictorPolicy):
 
     name = "token-pd-per-request"
 
-    def bind(self, num_slots: int, bytes_per_token: int, budget_tokens: int, max_batch_size: int) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size)
-        self.row_mu = torch.full((0,), self.mu, dtype=torch.float64)
+    def bind(
+        self,
+        num_slots: int,
+        bytes_per_token: int,
+        budget_tokens: int,
+        max_batch_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
+        self.row_mu = torch.full((0,), self.mu, dtype=torch.float64, device=self.device)
 
     def _ensure_rows(self, num_rows: int) -> None:
         if self.row_mu.numel() < num_rows:
             grown = torch.full(
-                (num_rows,), self.params.initial_price_per_token / self.bytes_per_token, dtype=torch.float64
+                (num_rows,),
+                self.params.initial_price_per_token / self.bytes_per_token,
+                dtype=torch.float64,
+                device=self.device,
             )
             grown[: self.row_mu.numel()] = self.row_mu
             self.row_mu = grown

@@ -305,8 +305,9 @@ def test_per_owner_selection_fast_path_matches_the_sorting_path():
         assert len(set(owner[fast].tolist())) == fast.numel()
 
 
+@pytest.mark.parametrize("host_paths", [None, False])  # False: the torch steps a GPU pool takes
 @pytest.mark.parametrize("seed", range(4))
-def test_incremental_protected_mask_equals_the_one_from_scratch(seed):
+def test_incremental_protected_mask_equals_the_one_from_scratch(seed, host_paths):
     """Random admits (decode tokens and prefill chunks), evictions and finished sequences over a pool:
     after every change the incremental mask is exactly live & (sink | recent window)."""
     rng = random.Random(seed)
@@ -315,7 +316,7 @@ def test_incremental_protected_mask_equals_the_one_from_scratch(seed):
     position = torch.zeros(slots, dtype=torch.long)
     live = torch.zeros(slots, dtype=torch.bool)
     seen = torch.zeros(rows, dtype=torch.long)
-    protected = ProtectedTokens(owner, position, live, sinks, recent, num_rows=2)  # grows on demand
+    protected = ProtectedTokens(owner, position, live, sinks, recent, num_rows=2, host_paths=host_paths)  # grows
     held: dict[int, list[int]] = {row: [] for row in range(rows)}
 
     def free(victims: list[int]) -> None:
@@ -418,24 +419,27 @@ def test_token_pd_observe_with_pending_unobserved_slots_matches_the_dense_passes
     bookkeeping of unobserved slots gives bit-for-bit the averages and values of full passes."""
     rng = random.Random(slots)
     generator = torch.Generator().manual_seed(slots)
-    fast, dense = TokenPDPolicy(), _DenseTokenPD()
-    for policy in (fast, dense):
+    fast, dense, on_device = TokenPDPolicy(), _DenseTokenPD(), TokenPDPolicy()
+    for policy in (fast, dense, on_device):
         policy.bind(num_slots=slots, bytes_per_token=100, budget_tokens=slots, max_batch_size=8)
+    on_device.host_paths = False  # the torch passes a policy bound to a GPU takes, here on the CPU
     owner = torch.full((slots,), -1, dtype=torch.long)
     for step in range(1, 60):
         free = (owner < 0).nonzero().squeeze(1)
         new = free[torch.randperm(free.numel(), generator=generator)[: rng.randint(0, slots // 10)]]
         owner[new] = torch.randint(0, 8, (new.numel(),), generator=generator)
-        for policy in (fast, dense):
+        for policy in (fast, dense, on_device):
             policy.on_insert(new, step)
         live = owner >= 0
         sitting_out = torch.tensor(rng.sample(range(8), rng.choice([0, 0, 1, 3])), dtype=torch.long)
         stepped = live & ~torch.isin(owner, sitting_out)
         mass = torch.rand(slots, generator=generator).pow_(4) * stepped
         view = synthetic_view(owner.tolist(), [0] * slots, [0] * slots, [False] * slots, budget=slots)
-        for policy in (fast, dense):
+        for policy in (fast, dense, on_device):
             policy.observe(view, mass, stepped)
         for name in ("ret", "ret_sq", "_value", "observed"):
             assert torch.equal(getattr(fast, name), getattr(dense, name)), (step, name)
+            assert torch.equal(getattr(fast, name), getattr(on_device, name)), (step, name)
+        assert torch.equal(fast.voluntary_evictions(view), on_device.voluntary_evictions(view)), step
         gone = live.nonzero().squeeze(1)
         owner[gone[torch.randperm(gone.numel(), generator=generator)[: rng.randint(0, slots // 8)]]] = -1
