@@ -2,8 +2,8 @@
 `apps/gateway/lua/machine.lua`'s `snapshot`), read into what `apps.policy.admit` decides on; and the snapshots
 a gateway process keeps from its last replies, so that an offer may decide before asking Redis anything.
 
-An offer decided on READ's snapshot costs two calls (READ, then COMMIT with the pool's version). COMMIT and
-RELEASE also answer with the entitlement's snapshot after their transition; the next offer of that
+An offer decided on READ's snapshot costs two calls (READ, then COMMIT with the pool's version). RELEASE also
+answers with the entitlement's snapshot after it, and a refused offer keeps READ's; the next offer of that
 entitlement in this process decides on it and sends COMMIT alone, with the snapshot's fingerprint: COMMIT
 applies the decision only if READ would give the same fingerprint now and the bucket still holds the charge,
 and otherwise answers with READ's snapshot, on which the caller decides again (two calls, as before). The

@@ -486,7 +486,7 @@ class RedisStateStore(GatewayStateStore):
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
                  *_capacity_args(pool, saturation, self.config), repr(self.lease_s), print_,
-                 "1" if limits is owner else "", signature, self._queue_arg(limits), *pairs],
+                 "", signature, self._queue_arg(limits), *pairs],
             )
             if int(raw[0]) == 1:
                 offer = self._committed(limits, pool, request, decision, raw)
@@ -510,8 +510,6 @@ class RedisStateStore(GatewayStateStore):
             self._expect(request.request_id)
         self._notify(started=[s for s in started if s != request.request_id], evicted=evicted)
         tokens = math.inf if limits.bucket_capacity is None else _float(raw[5])
-        if len(raw) > 7 and raw[7]:
-            self._kept.keep(pool.name, limits.entitlement_id, str(raw[7]))
         return Offer(decision, reservation_for(limits, pool.name, request, decision),
                      rate_view(limits, int(_float(raw[4])), tokens), state, started, evicted)
 

@@ -68,20 +68,21 @@ def test_an_offer_after_a_reply_about_its_entitlement_is_one_call(redis_url: str
 
 def test_room_another_process_took_meanwhile_is_seen(redis_url: str) -> None:
     async def body(first: CountingStore, second: CountingStore) -> tuple[str, str | None, Counter[str]]:
-        ent = limits("e", concurrency=2)
+        ent = limits("e", concurrency=1)
         p = pool("p", 100, ent)
         await first.sync_pool(pool=p)
-        await second.sync_pool(pool=p)
-        kept = await first.offer(limits=ent, pool=p, request=request())  # first keeps in_flight 1
-        await second.offer(limits=ent, pool=p, request=request())  # the second and last slot of the entitlement
+        done = await first.offer(limits=ent, pool=p, request=request())
+        assert done.reservation is not None
+        await first.release(reservation=done.reservation, prompt_tokens=5, completion_tokens=10)  # keeps 0 of 1
+        taken = await second.offer(limits=ent, pool=p, request=request())  # the entitlement's one slot
+        assert taken.state == "running"
         first.calls.clear()
         late = await first.offer(limits=ent, pool=p, request=request())
-        assert kept.reservation is not None
         return late.state, late.decision.reason, Counter(first.calls)
 
     state, reason, calls = with_stores(redis_url, 2, body)
     assert (state, reason) == ("rejected", "concurrency_limit_exceeded")
-    # The kept snapshot (1 in flight of 2) started it; COMMIT refused that and brought READ's snapshot (2 of 2),
+    # The kept snapshot (0 in flight of 1) started it; COMMIT refused that and brought READ's snapshot (1 of 1),
     # on which it was refused (and the refusal counted in the demand window): no READ of its own.
     assert calls == Counter(commit=1, refuse=1)
 
@@ -91,8 +92,10 @@ def test_room_another_process_freed_meanwhile_is_seen(redis_url: str) -> None:
         ent = limits("e", concurrency=1)
         p = pool("p", 100, ent)
         await first.sync_pool(pool=p)
-        held = await first.offer(limits=ent, pool=p, request=request())  # first keeps: at the limit
+        held = await first.offer(limits=ent, pool=p, request=request())
         assert held.reservation is not None
+        # first keeps READ's snapshot of a refusal: at the limit
+        assert (await first.offer(limits=ent, pool=p, request=request())).state == "rejected"
         await second.release(reservation=held.reservation, prompt_tokens=5, completion_tokens=10)
         # A release moves no version: only the kept snapshot's refusal sends this offer back to READ.
         return (await first.offer(limits=ent, pool=p, request=request())).state
@@ -124,10 +127,13 @@ def test_a_bucket_shrunk_below_the_charge_is_seen(redis_url: str) -> None:
         wide = limits("e", tokens_per_second=1.0, token_bucket_seconds=100.0)  # 100 tokens
         p = pool("p", 100, wide)
         await store.sync_pool(pool=p)
-        first = await store.offer(limits=wide, pool=p, request=request())  # 15 tokens: 85 kept
+        first = await store.offer(limits=wide, pool=p, request=request())  # 15 tokens, all used: 85 left
         assert first.reservation is not None
+        await store.release(reservation=first.reservation, prompt_tokens=5, completion_tokens=10)  # kept: 85
         narrow = limits("e", tokens_per_second=1.0, token_bucket_seconds=10.0)  # 10 tokens: under a charge
+        store.calls.clear()
         offer = await store.offer(limits=narrow, pool=pool("p", 100, narrow), request=request())
+        assert store.calls["commit"] == 1 and store.calls["read"] == 0  # refused on what COMMIT brought back
         return offer.state, offer.decision.reason
 
     assert with_stores(redis_url, 1, body) == ("rejected", "rate_limit_exceeded")
@@ -140,7 +146,12 @@ def test_a_duplicate_id_is_refused_on_a_kept_snapshot_too(redis_url: str) -> Non
         await store.sync_pool(pool=p)
         offered = AdmissionRequest("same-id", input_tokens=5, max_tokens=10)
         assert (await store.offer(limits=ent, pool=p, request=offered)).state == "running"
+        other = await store.offer(limits=ent, pool=p, request=request())
+        assert other.reservation is not None
+        await store.release(reservation=other.reservation, prompt_tokens=5, completion_tokens=10)  # kept
+        store.calls.clear()
         again = await store.offer(limits=ent, pool=p, request=offered)
+        assert store.calls == Counter(commit=1)  # on the kept snapshot; COMMIT saw the id in flight
         in_flight = (await store.entitlement_usage(limits=ent, pool="p")).in_flight
         return again.state, again.decision.reason, in_flight
 

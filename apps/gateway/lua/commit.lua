@@ -10,11 +10,10 @@
 -- ARGV: now, version, request id, entitlement id, 'running'|'waiting'|'queued', priority, token cost, KV bytes,
 --       input tokens, max tokens, evictable (1/0), evict (1/0), bucket capacity, bucket rate, pool capacity,
 --       KV capacity, saturation, wait timeout, max evictions, lease seconds, the kept snapshot's fingerprint
---       ('' = decided on READ's), '1' to have the entitlement's snapshot after the transition in the reply
---       (its last element, else ''), reservation signature, the entitlement's queue limits ("concurrency
+--       ('' = decided on READ's), (unused), reservation signature, the entitlement's queue limits ("concurrency
 --       burst_concurrency kv_bytes burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), then the
---       reservations as pairs (only read when the signature changed, or to take a snapshot).
--- Reply: {1, state, started, evicted, in flight, bucket level, 0, snapshot after}, or {0} / {0, snapshot}.
+--       reservations as pairs (only read when the signature changed, or to check a kept snapshot).
+-- Reply: {1, state, started, evicted, in flight, bucket level, 0}, or {0} / {0, READ's snapshot now}.
 local now = clock(ARGV[1])
 local pool = load(POOL)
 local pairs_given = {}
@@ -26,11 +25,6 @@ if ARGV[21] ~= '' then
   end
 elseif field(pool, 'ver') ~= tonumber(ARGV[2]) then
   return {0}
-end
--- The entitlement's snapshot once the transition is saved, when asked for (nothing is written after `save`).
-local function after()
-  if ARGV[22] ~= '1' then return '' end
-  return table.concat((snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), '', pairs_given, now)), ' ')
 end
 local reserved = nil
 if pool.res_sig ~= tonumber(ARGV[23]) then reserved = pairs_given end
@@ -61,7 +55,7 @@ if ARGV[5] == 'queued' then
   redis.call('ZADD', WAIT_T, fmt(r.dl), r.wm)
   took_room(pool)
   save()
-  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), 0, after()}
+  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), 0}
 end
 charge(e, r, now)
 if ARGV[5] == 'running' then
@@ -85,4 +79,4 @@ publish('e', evicted)
 local others = {}
 for _, other in ipairs(started) do if other ~= id then table.insert(others, other) end end
 publish('s', others)
-return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), 0, after()}
+return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), 0}
