@@ -142,12 +142,16 @@ class MemoryStateStore(GatewayStateStore):
         self._notify(started=result.started, gone=result.expired)
         return list(result.expired)
 
-    async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
+    async def tick(
+        self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]
+    ) -> dict[str, dict[str, WindowReading]]:
         # Each ledger knows its pool's entitlements (kept in step with the snapshot).
         now = self.clock.now()
-        readings: dict[str, WindowReading] = {}
-        for ledger in self._ledgers.values():
-            readings.update(ledger.tick_readings(now) or {})
+        readings: dict[str, dict[str, WindowReading]] = {}
+        for pool, ledger in self._ledgers.items():
+            changes = ledger.tick_changes(now)
+            if changes is not None:
+                readings[pool] = changes
         return readings
 
     async def pool_budgets_set(self, *, budgets: Mapping[str, int | None]) -> list[str]:

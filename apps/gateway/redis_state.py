@@ -76,7 +76,7 @@ from apps.policy.queues import ENQUEUE, offered_priority, own_limits_decision, o
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
 from apps.policy.quota_offer import Decide, Refund, Reserve, Step, quota_offer, run_async, settlement
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
-from apps.policy.window import RESTING_READING, WindowFigures, WindowReading, window_reading
+from apps.policy.window import WindowFigures, WindowReading, window_reading
 
 logger = logging.getLogger(__name__)
 
@@ -545,8 +545,10 @@ class RedisStateStore(GatewayStateStore):
         self._notify(started=[str(request_id) for request_id in raw[1]], gone=expired)
         return expired
 
-    async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
-        readings: dict[str, WindowReading] = {}
+    async def tick(
+        self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]
+    ) -> dict[str, dict[str, WindowReading]]:
+        by_pool: dict[str, dict[str, WindowReading]] = {}
         for pool, pool_limits in entitlements.items():
             by_name = self._by_name(pool, pool_limits)
             if not by_name:
@@ -555,7 +557,7 @@ class RedisStateStore(GatewayStateStore):
             if int(raw[0]) != 1:
                 continue  # the window is too short to measure (or the pool was never used): it stays open
             # Those at rest were not read: their reading is the one the formulas give from rest (as the ledger's).
-            readings.update(dict.fromkeys(by_name, RESTING_READING))
+            readings = by_pool[pool] = {}
             elapsed = float(raw[1])
             updates: list[str] = []
             for index in range(2, len(raw), 11):
@@ -575,7 +577,7 @@ class RedisStateStore(GatewayStateStore):
                 updates += [name, repr(reading.dynamics.debt), repr(reading.dynamics.burst)]
             if updates:
                 await self._call("dynamics", [self._base(pool)], updates)
-        return readings
+        return by_pool
 
     def _by_name(self, pool: str, pool_limits: Sequence[EntitlementLimits]) -> dict[str, EntitlementLimits]:
         """The pool's entitlements by name, built once for one sequence of them (the snapshot's, every tick)."""

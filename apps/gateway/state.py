@@ -207,8 +207,13 @@ class GatewayStateStore(ABC):
         """Turn away the pool's requests that waited the acquire timeout; returns their ids."""
 
     @abstractmethod
-    async def tick(self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]) -> dict[str, WindowReading]:
-        """Close every pool's served/demand window: debt and burst of each entitlement (by pool name)."""
+    async def tick(
+        self, *, entitlements: Mapping[str, Sequence[EntitlementLimits]]
+    ) -> dict[str, dict[str, WindowReading]]:
+        """Close every pool's served/demand window: debt and burst of each entitlement (`entitlements` by pool
+        name). By pool, the readings of its entitlements that were not at rest: one absent had nothing in flight,
+        nothing in its window and no debt or burst, and its reading is `RESTING_READING` (so a tick costs what is
+        active, not every entitlement). A pool is absent when its window stayed open (too short to measure)."""
 
     # --- reads ------------------------------------------------------------------------------------------
 

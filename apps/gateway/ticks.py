@@ -41,7 +41,6 @@ from apps.gateway.control import (
 from apps.gateway.control_redis import RedisControlState
 from apps.gateway.redis_state import RedisStateStore
 from apps.policy import Dynamics, EntitlementLimits, ttft_histogram_bounds
-from apps.policy.window import RESTING_READING
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +138,7 @@ def active_pool_limits() -> dict[str, list[EntitlementLimits]]:
 
 @dataclass(frozen=True, slots=True)
 class EwmaResult:
+    # Debt and burst of the entitlements that were not at rest (those at rest have none).
     dynamics: Mapping[str, Dynamics]
     # Tokens demanded per pool (tokens/s) over the window: the autoscaling tick's observed throughput.
     pool_demand_tps: Mapping[str, float]
@@ -155,24 +155,17 @@ def tick_ewma(store_call: StoreCall | None = None,
     if not pools:
         return EwmaResult({}, {})
     try:
-        readings = with_gateway_store(lambda store: store.tick(entitlements=pools), store_call)
+        by_pool = with_gateway_store(lambda store: store.tick(entitlements=pools), store_call)
     except StoreUnavailable as exc:
         logger.debug("ewma tick: %s", exc)
         return None
-    demand: dict[str, float] = {}
-    for pool, rows in pools.items():  # by pool, with no map of 10,000 names built each second
-        total, read = 0.0, False
-        for limits in rows:
-            reading = readings.get(limits.entitlement_id)
-            if reading is None:
-                continue
-            read = True
-            if reading is not RESTING_READING:  # at rest: no demand
-                total += reading.demand.tokens_per_second
-        if read:
-            demand[pool] = total
+    # Only the entitlements that were not at rest have readings: one at rest demanded nothing, and its debt and
+    # burst stay nil. Nothing here walks every entitlement of a pool.
+    demand = {pool: sum(reading.demand.tokens_per_second for reading in readings.values())
+              for pool, readings in by_pool.items()}
     control_state().pool_demand_set(demand)
-    return EwmaResult({name: reading.dynamics for name, reading in readings.items()}, demand)
+    return EwmaResult({name: reading.dynamics for readings in by_pool.values() for name, reading in readings.items()},
+                      demand)
 
 
 def _pool_capacities() -> dict[str, int]:

@@ -922,20 +922,41 @@ class AdmissionLedger:
 
     def tick_readings(self, now: float) -> dict[str, WindowReading] | None:
         """`tick`, with the served and demanded rates each new EWMA state was computed from
-        (`apps.policy.window.window_reading`, the same computation the Redis store's tick runs);
-        None when the window was too short to measure (it stays open)."""
+        (`apps.policy.window.window_reading`, the same computation the Redis store's tick runs), for every
+        entitlement: one at rest has the reading the formulas give from rest (`RESTING_READING`). None when
+        the window was too short to measure (it stays open)."""
+        closed = self._close_window(now)
+        if closed is None:
+            return None
+        changes, tiers = closed
+        # (2) and (3) from zero over a window with nothing in it give zero again: an entitlement at rest gets
+        # that reading without being looked at.
+        readings: dict[str, WindowReading] = dict.fromkeys(self._entitlements, RESTING_READING)
+        for key in tiers:
+            del readings[key]
+        readings.update(changes)
+        return readings
+
+    def tick_changes(self, now: float) -> dict[str, WindowReading] | None:
+        """`tick_readings` of the entitlements that were not at rest only (the others' readings are
+        `RESTING_READING`): what a tick costs grows with the active entitlements, not with all of them."""
+        closed = self._close_window(now)
+        return None if closed is None else closed[0]
+
+    def _close_window(self, now: float) -> tuple[dict[str, WindowReading], list[str]] | None:
+        """Close the window of each entitlement not at rest: their readings, and the tiers closed (a tier has
+        no reading)."""
         elapsed = now - self._last_tick
         if elapsed < MIN_TICK_WINDOW_S:
             # Rates over a vanishing window are infinite (a tick right after another one, a clock that
             # stood still): keep the window open and let the next tick measure it.
             return None
-        # (2) and (3) from zero over a window with nothing in it give zero again: an entitlement at rest gets
-        # that reading without being looked at, and needs no accumulate (nothing runs or waits to integrate).
-        readings: dict[str, WindowReading] = dict.fromkeys(self._entitlements, RESTING_READING)
+        readings: dict[str, WindowReading] = {}
+        tiers: list[str] = []
         entitlements = self._entitlements
         for key in list(self._unsettled):
             record = entitlements[key]
-            if record.at_rest():
+            if record.at_rest():  # nothing runs or waits to integrate, nothing to decay
                 self._unsettled.discard(key)
                 continue
             record.accumulate(now)
@@ -943,7 +964,7 @@ class AdmissionLedger:
                 # A tier has no baseline or share of its own to owe or exceed: its debt and burst stay nil (the
                 # Redis store ticks the snapshot's entitlements, which tiers are not).
                 record.window.reset()
-                del readings[key]
+                tiers.append(key)
                 continue
             reading = window_reading(
                 record.window.figures(), record.limits, record.dynamics, elapsed,
@@ -953,7 +974,7 @@ class AdmissionLedger:
             record.window.reset()
             readings[key] = reading
         self._last_tick = now
-        return readings
+        return readings, tiers
 
     # -- checks used by tests and the simulator ------------------------------------------------
 

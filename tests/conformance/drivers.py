@@ -232,7 +232,7 @@ class LedgerDriver:
         if isinstance(step, Budget):
             return {"started": ledger.set_budget(step.budget, now)}
         if isinstance(step, Tick):
-            return tick_figures(ledger.tick_readings(now) or {})
+            return tick_figures(ledger.tick_changes(now) or {})
         if isinstance(step, Busy):
             records = ledger.entitlement_records()
             return busy_figures(ledger.in_flight_counts(),
@@ -413,7 +413,7 @@ class StoreDriver:
         if isinstance(step, Budget):
             return {"started": tuple(await store.pool_budgets_set(budgets={POOL: step.budget}))}
         if isinstance(step, Tick):
-            return tick_figures(await store.tick(entitlements={POOL: tuple(self.limits.values())}))
+            return tick_figures((await store.tick(entitlements={POOL: tuple(self.limits.values())})).get(POOL, {}))
         if isinstance(step, Busy):
             return busy_figures(await store.in_flight(pool=self.pool),
                                 await store.dynamics(pool=POOL, entitlements=step.ents))

@@ -391,6 +391,26 @@ def test_tick_of_an_idle_entitlement_is_what_the_formulas_give() -> None:
     assert second["idle"] == first["idle"]
 
 
+def test_tick_changes_are_the_readings_of_the_entitlements_not_at_rest() -> None:
+    """What the stores' tick returns: the full readings less those at rest (`RESTING_READING`), which it never
+    builds (a pool of 10,000 entitlements with a few busy costs a few readings a second)."""
+    from apps.policy.window import RESTING_READING
+
+    def ledger_with_traffic() -> AdmissionLedger:
+        ledger = AdmissionLedger(concurrency_capacity=1, mean_slo_ms=1000)
+        for name in ("idle-a", "idle-b", "busy"):
+            ledger.upsert_entitlement(limits(entitlement_id=name, concurrency=3), now=0)
+        ledger.request("busy", request(request_id="b1"), now=0)
+        ledger.request("busy", request(request_id="b2"), now=0)
+        return ledger
+
+    full, changes = ledger_with_traffic().tick_readings(1.0), ledger_with_traffic().tick_changes(1.0)
+    assert full is not None and changes is not None
+    assert set(changes) == {"busy"} and changes["busy"] == full["busy"]
+    assert {name for name, reading in full.items() if reading is RESTING_READING} == {"idle-a", "idle-b"}
+    assert ledger_with_traffic().tick_changes(0.0) is None  # a window too short to measure stays open
+
+
 def test_retry_jitter_is_seeded() -> None:
     def retry_after(seed: int) -> float:
         ledger = AdmissionLedger(concurrency_capacity=1, rng=random.Random(seed), retry_jitter=0.5)
