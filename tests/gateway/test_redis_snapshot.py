@@ -6,8 +6,6 @@ cases where a kept snapshot is out of date."""
 
 from __future__ import annotations
 
-import asyncio
-import uuid
 from collections import Counter
 from typing import Any
 
@@ -17,6 +15,7 @@ from apps.gateway.redis_snapshot import KeptSnapshots, fingerprint
 from apps.gateway.redis_state import RedisStateStore
 from apps.policy import AdmissionRequest
 from tests.gateway.test_redis_state import limits, pool, request
+from tests.gateway.test_redis_state import with_stores as with_stores_of
 
 pytestmark = pytest.mark.redis
 
@@ -34,17 +33,7 @@ class CountingStore(RedisStateStore):
 
 
 def with_stores(redis_url: str, count: int, body: Any) -> Any:
-    prefix = f"t{uuid.uuid4().hex}:"
-
-    async def run() -> Any:
-        stores = [CountingStore(url=redis_url, prefix=prefix) for _ in range(count)]
-        try:
-            return await body(*stores)
-        finally:
-            for store in stores:
-                await store.close()
-
-    return asyncio.run(run())
+    return with_stores_of(redis_url, count, body, store_class=CountingStore)
 
 
 def test_an_offer_after_a_reply_about_its_entitlement_is_one_call(redis_url: str) -> None:

@@ -42,12 +42,13 @@ def request(max_tokens: int = 10) -> AdmissionRequest:
     return AdmissionRequest(uuid.uuid4().hex, input_tokens=5, max_tokens=max_tokens)
 
 
-def with_stores(redis_url: str, count: int, body: Callable[..., Awaitable[Any]], **options: Any) -> Any:
+def with_stores(redis_url: str, count: int, body: Callable[..., Awaitable[Any]],
+                store_class: type[RedisStateStore] = RedisStateStore, **options: Any) -> Any:
     """Run `body(*stores)` with `count` stores on one prefix: as many gateway processes."""
     prefix = f"t{uuid.uuid4().hex}:"
 
     async def run() -> Any:
-        stores = [RedisStateStore(url=redis_url, prefix=prefix, **options) for _ in range(count)]
+        stores = [store_class(url=redis_url, prefix=prefix, **options) for _ in range(count)]
         try:
             return await body(*stores)
         finally:
