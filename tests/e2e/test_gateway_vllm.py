@@ -4,6 +4,9 @@ engine (backends/engine with Token-PD), which must pass the same client tests as
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -61,6 +64,25 @@ def _in_flight(url: str) -> float:
               if line.startswith("gateway_requests_in_flight{")]
     assert values, "gateway_requests_in_flight missing from /metrics"
     return sum(values)
+
+
+# Attempts at catching the holder in its slot (each about 5 s): with the holder in its own process, 1 in 2 or 3
+# attempts was seen to lose the race to the machine's scheduling (2026-11-27), so 12 leave a chance of about 1 in 130
+# to 1 in 4,000 that all of them do.
+ATTEMPTS = 12
+
+# A client holding a stream open, in a process of its own: POSTs argv[3] (JSON) to argv[1] with key argv[2], writes
+# each chunk to the file argv[4] as it comes, and prints the status code.
+HOLDER = """
+import sys, httpx
+with httpx.stream("POST", sys.argv[1], content=sys.argv[3], timeout=120,
+                  headers={"Authorization": "Bearer " + sys.argv[2], "Content-Type": "application/json"}) as response:
+    with open(sys.argv[4], "wb") as chunks:
+        for chunk in response.iter_bytes():
+            chunks.write(chunk)
+            chunks.flush()
+print(response.status_code)
+"""
 
 
 def _wait_for_entitlement_in_flight(url: str, entitlement_name: str, count: int, *, timeout_s: float,
@@ -178,51 +200,52 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
         def on_response(response: httpx.Response) -> None:
             answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
-        holder_outcome: list[str] = []
-        streaming = threading.Event()
         hooks = {"request": [on_request], "response": [on_response]}
         # Enough retries for the slower backend (our engine on CPU) to finish the holder.
         retrying = _client(url, key, max_retries=60, http_client=httpx.Client(event_hooks=hooks))
+        # The holder reads its stream in a process of its own. Read by a thread of this process, its 1,800 chunks
+        # kept this thread from the interpreter's lock for the whole stream (each read releases the lock and takes
+        # it back before this thread, woken on a busy machine, gets to it): the poll below answered only once the
+        # stream had ended, and every attempt found the slot free again (seen: a /metrics poll that took 4.7 s
+        # while curl timed the same request at 17 ms).
+        chunks = prepared.workdir / "holder.out"
+        chunks.unlink(missing_ok=True)
+        body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hold"}],
+                "max_tokens": 1800, "stream": True, "ignore_eos": True}
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, f"{url}/v1/chat/completions", key,
+                                   json.dumps(body), str(chunks)], stdout=subprocess.PIPE, text=True)
 
-        def hold_the_slot() -> None:
-            body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hold"}],
-                    "max_tokens": 1800, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120,
-                              headers={"Authorization": f"Bearer {key}"}) as response:
-                holder_outcome.append(str(response.status_code))
-                for _chunk in response.iter_bytes():
-                    streaming.set()
+        def holder_outcome() -> list[str]:
+            out, _ = holder.communicate(timeout=120)
+            return out.split()
 
-        holder = threading.Thread(target=hold_the_slot)
-        holder.start()
         # The signal that the slot is taken is the gateway's own count of the entitlement's admitted requests,
-        # or the holder's first chunk while it is still reading: on a loaded 2-core machine a process (vLLM's
-        # front end, the gateway) can go unscheduled for seconds, so the first chunk may reach the client only
-        # with the whole stream, after the gateway has released the slot, and a poll of /metrics may miss a
-        # short hold. Either signal can be late; an attempt whose holder was gone is made again (below).
-        if not _wait_for_entitlement_in_flight(url, "single-slot", 1, timeout_s=60,
-                                               held=lambda: streaming.is_set() and holder.is_alive(),
-                                               until=lambda: not holder.is_alive()):
-            holder.join(timeout=120)
-            assert holder_outcome == ["200"], f"the holder was not admitted: {holder_outcome}"
+        # or the holder's first chunk while it still runs. Either can come late on a loaded 2-core machine (a
+        # process can go unscheduled for a moment); an attempt whose holder was gone is made again (below).
+        if not _wait_for_entitlement_in_flight(
+                url, "single-slot", 1, timeout_s=60,
+                held=lambda: holder.poll() is None and chunks.exists() and chunks.stat().st_size > 0,
+                until=lambda: holder.poll() is not None):
+            outcome = holder_outcome()
+            assert outcome == ["200"], f"the holder was not admitted: {outcome}"
             return None  # served and gone before this process looked: nothing held, try again
         result = retrying.chat.completions.create(model=SERVED_MODEL_NAME,
                                                   messages=[{"role": "user", "content": "x"}], max_tokens=4)
-        holder.join(timeout=120)
+        outcome = holder_outcome()
         assert result.choices[0].message.content is not None
         assert len(sent) == len(answered)
-        return holder_outcome, sent, answered
+        return outcome, sent, answered
 
     # The test process itself can go unscheduled for seconds on this machine (see above), long enough for
     # the holder to be served whole (its 1,800 tokens wait in socket buffers) before the count is read, or
     # between reading it and sending the second request. Such an attempt shows nothing about Retry-After and
     # is made again. The 1-slot limit itself is asserted deterministically by the gateway tests (tests/gateway).
     outcome = None
-    for _ in range(8):
+    for _ in range(ATTEMPTS):
         outcome = attempt()
         if outcome is not None and outcome[2][0][1] == 429:
             break
-    assert outcome is not None, "in 8 attempts the holder was never seen holding its slot"
+    assert outcome is not None, f"in {ATTEMPTS} attempts the holder was never seen holding its slot"
     holder_outcome, sent, answered = outcome
     assert holder_outcome == ["200"], holder_outcome
     statuses = [status for _t, status, _h in answered]
