@@ -78,7 +78,8 @@ class BackgroundLoops:
         self._idle_cursor: dict[str, int] = {}  # pool -> where the next slice of idle entitlements starts
         self._pool_index: dict[str, tuple[Any, dict[str, EntitlementLimits]]] = {}
         self._viewed_snapshot: Any = None  # the snapshot the last store view read
-        self._held: list[tuple[str, ...]] = []  # that snapshot's (pool, entitlement) pairs
+        self._busy_keys: set[tuple[str, ...]] = set()  # those the last store view found busy
+        self._quota_entries: list[Any] = []  # the snapshot's keys whose quotas the store view reads, one each
         self._bound: tuple[Any, dict[str, list[EntitlementLimits]]] | None = None  # (snapshot, its Bound ones)
         # (entitlement, unit) -> (used, reserved, limit) of the entitlement's own quota in the current window,
         # and (tenant slug, unit) -> the same of a tenant's shared quota: once per tenant, not per entitlement.
@@ -271,17 +272,18 @@ class BackgroundLoops:
         snapshot = gateway.snapshots.current
         if gateway.store is None or snapshot is None:
             return
-        dynamics, held = self._last_view(snapshot)
-        # Every entitlement of the snapshot, at 0 unless the store holds requests of it (one dict built in C, not
-        # a read of each: the store is asked for the busy ones only).
-        view: dict[tuple[str, ...], float] = dict.fromkeys(held, 0.0)
+        self._new_snapshot_view(snapshot)
+        # What this view read: applied to the published views at the end, in place (what it costs is what was
+        # busy and the slice read, not every entitlement), or not at all when the store is away.
+        in_flight: dict[tuple[str, ...], float] = {}
+        dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
         store = gateway.store
         try:
             for pool in list(snapshot.pools.values()):
                 by_id = self._index(pool)
                 busy = {name: count for name, count in (await store.in_flight(pool=pool)).items() if name in by_id}
                 for name, count in busy.items():
-                    view[(pool.name, name)] = float(count)
+                    in_flight[(pool.name, name)] = float(count)
                 chosen = self._entitlements_to_read(pool, busy)
                 read = await store.dynamics(pool=pool.name, entitlements=[limits.entitlement_id for limits in chosen])
                 for index, limits in enumerate(chosen, 1):
@@ -291,24 +293,38 @@ class BackgroundLoops:
                     dynamics[(pool.name, limits.entitlement_id)] = (state.debt, state.burst, priority)
                     if index % STORE_VIEW_READS_PER_TURN == 0:
                         await asyncio.sleep(0)  # let requests in between
-            quotas, tenant_quotas = await self._quota_view(snapshot)
+            quotas, tenant_quotas = await self._quota_view()
         except StateStoreUnavailable:
             return  # keep the last view: the store's own state did not change by being unreachable
-        self.store_in_flight = view
-        self.store_dynamics = dynamics
+        # Every entitlement of the snapshot is listed (at 0 unless the store holds requests of it): the ones busy
+        # last time and not now go back to 0. Values change in place; keys only with a new snapshot (and the
+        # dynamics of an entitlement read for the first time), so a scrape copying the view sees one whole view.
+        view = self.store_in_flight
+        for key in self._busy_keys - in_flight.keys():
+            view[key] = 0.0
+        view.update(in_flight)
+        self._busy_keys = set(in_flight)
+        self.store_dynamics.update(dynamics)
         self.store_quotas, self.store_tenant_quotas = quotas, tenant_quotas
 
-    def _last_view(self, snapshot: Any) -> tuple[dict[tuple[str, ...], tuple[float, float, float]],
-                                                  list[tuple[str, ...]]]:
-        """The last readings (which the entitlements not read this time keep; after a new snapshot only those of
-        entitlements it still holds) and the snapshot's (pool, entitlement) pairs, listed once per snapshot."""
+    def _new_snapshot_view(self, snapshot: Any) -> None:
+        """On a new snapshot, the views list its entitlements: every (pool, entitlement) pair at 0 in flight, and
+        the last readings of those it still holds (the others' are dropped). Once per snapshot."""
         if snapshot is self._viewed_snapshot:
-            return dict(self.store_dynamics), self._held
+            return
         self._viewed_snapshot = snapshot
-        self._held = [(pool.name, limits.entitlement_id) for pool in snapshot.pools.values()
-                      for limits in pool.entitlements]
-        held = set(self._held)
-        return {key: value for key, value in self.store_dynamics.items() if key in held}, self._held
+        held = [(pool.name, limits.entitlement_id) for pool in snapshot.pools.values() for limits in pool.entitlements]
+        self.store_in_flight = dict.fromkeys(held, 0.0)
+        self._busy_keys = set()
+        kept = set(held)
+        self.store_dynamics = {key: value for key, value in self.store_dynamics.items() if key in kept}
+        # The entitlements whose quotas the view reads: one key each (a quota is the entitlement's, not the key's).
+        seen: set[str] = set()
+        self._quota_entries = []
+        for entry in snapshot.keys.values():
+            if entry.quotas and entry.entitlement not in seen:
+                seen.add(entry.entitlement)
+                self._quota_entries.append(entry)
 
     def _entitlements_to_read(self, pool: Any, busy: Mapping[str, int]) -> list[EntitlementLimits]:
         """The pool's entitlements whose dynamics this view reads: all of a pool of up to `STORE_VIEW_IDLE_READS`;
@@ -337,20 +353,16 @@ class BackgroundLoops:
                                                            for limits in pool.entitlements})
         return cached[1]
 
-    async def _quota_view(self, snapshot: Any) -> tuple[QuotaView, QuotaView]:
+    async def _quota_view(self) -> tuple[QuotaView, QuotaView]:
         """Each quota'd entitlement's own quota and each tenant's shared one, as the store holds them now
         (every process together). A tenant's quota is one number whichever entitlement reads it: it is kept
         once, under the tenant, so that a sum over entitlements cannot count it twice."""
         store = self.gateway.store
         assert store is not None
         now = dt.datetime.now(dt.UTC)
-        seen: set[str] = set()
         own: QuotaView = {}
         shared: QuotaView = {}
-        for entry in list(snapshot.keys.values()):
-            if not entry.quotas or entry.entitlement in seen:
-                continue
-            seen.add(entry.entitlement)
+        for entry in self._quota_entries:
             charges = [rule.charge_at(now) for rule in entry.quotas]
             for standing in await store.quota_standings(scope=str(entry.tenant_id), charges=charges):
                 charge = standing.charge
@@ -465,7 +477,8 @@ class BackgroundLoops:
         add("gateway_pending_releases", "Releases the state store could not take yet (retried every second).",
             (), lambda: {(): float(len(gateway.accountant.pending)) if hasattr(gateway, "accountant") else 0.0})
         def dynamics(index: int) -> Callable[[], dict[tuple[str, ...], float]]:
-            return lambda: {key: values[index] for key, values in self.store_dynamics.items()}
+            # A copy first (one step, under the interpreter's lock): the store view adds keys on the event loop.
+            return lambda: {key: values[index] for key, values in dict(self.store_dynamics).items()}
 
         for index, (name, text) in enumerate((
                 ("tokenpools_entitlement_debt", "Service debt (seed 000, (2)) as the state store holds it."),

@@ -84,6 +84,54 @@ def test_the_in_flight_view_counts_the_busy_entitlements_and_lists_the_others_at
     assert {key[1] for key in gateway.loops.store_dynamics} == {"e0", "e1", "e2"}
 
 
+def test_a_store_view_cut_short_by_an_outage_leaves_the_last_whole_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The view is applied in place once every pool was read: a store that goes away halfway changes nothing
+    (neither pool's counts go to 0), and the first view after it is whole again."""
+    from apps.gateway.snapshot import PoolInfo
+    from apps.gateway.state import StateStoreUnavailable
+    from apps.policy import AdmissionRequest
+
+    class FailingSecondPool(MemoryStateStore):
+        failing = False
+
+        async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
+            if self.failing and pool.name == "q":
+                raise StateStoreUnavailable("away")
+            return await super().in_flight(pool=pool)
+
+    store = FailingSecondPool()
+    gateway = Gateway(store=store)
+    limits = {name: EntitlementLimits(entitlement_id=name, service_class="spot", concurrency=2) for name in "ab"}
+    pools = {name: PoolInfo(name=name, model_name=name, replica_urls=("http://x",), concurrency_capacity=4,
+                            kv_capacity=1e12, kv_bytes_per_token=0, context_window=4096, entitlements=(limits[ent],))
+             for name, ent in (("p", "a"), ("q", "b"))}
+    monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools=pools, keys={}))
+
+    async def run() -> list[dict[tuple[str, ...], float]]:
+        offers = []
+        for name, ent in (("p", "a"), ("q", "b")):
+            await store.sync_pool(pool=pools[name])
+            offers.append(await store.offer(limits=limits[ent], pool=pools[name],
+                                            request=AdmissionRequest(f"r-{name}", input_tokens=5, max_tokens=5)))
+        views = []
+        await gateway.loops.store_view()
+        views.append(dict(gateway.loops.store_in_flight))
+        for offer in offers:
+            assert offer.reservation is not None
+            await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=5)
+        store.failing = True
+        await gateway.loops.store_view()  # p is read (now idle), then q fails: nothing is applied
+        views.append(dict(gateway.loops.store_in_flight))
+        store.failing = False
+        await gateway.loops.store_view()
+        views.append(dict(gateway.loops.store_in_flight))
+        return views
+
+    busy, cut_short, whole = asyncio.run(run())
+    assert busy == cut_short == {("p", "a"): 1.0, ("q", "b"): 1.0}
+    assert whole == {("p", "a"): 0.0, ("q", "b"): 0.0}
+
+
 def test_the_ewma_tick_gets_the_bound_entitlements_of_the_current_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     from apps.policy import EntitlementState
 
