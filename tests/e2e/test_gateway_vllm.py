@@ -66,10 +66,10 @@ def _in_flight(url: str) -> float:
     return sum(values)
 
 
-# Attempts at catching the holder in its slot (each about 5 s): with the holder in its own process, 1 in 2 or 3
-# attempts was seen to lose the race to the machine's scheduling (2026-11-27), so 12 leave a chance of about 1 in 130
-# to 1 in 4,000 that all of them do.
-ATTEMPTS = 12
+# Attempts at catching the holder in its slot (each about 5 s): with the holder in its own process, 2 of the 3
+# attempts of one run still lost the race to the machine's scheduling (2026-11-27); at that rate all of 20 lose
+# about once in 3,000 runs.
+ATTEMPTS = 20
 
 # A client holding a stream open, in a process of its own: POSTs argv[3] (JSON) to argv[1] with key argv[2], writes
 # each chunk to the file argv[4] as it comes, and prints the status code.
