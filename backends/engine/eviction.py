@@ -317,6 +317,14 @@ class EvictionPolicy:
         self.device = torch.device(device)
         # NumPy views of the policy's own tensors (CPU only); elsewhere the same updates in torch.
         self.host_paths = self.device.type == "cpu"
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """The policy's per-slot state, once `bind` has set the pool's size and device (subclasses add theirs)."""
+
+    def _per_slot(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor of one `dtype` value per slot, on the pool's device."""
+        return torch.zeros(self.num_slots, dtype=dtype, device=self.device)
 
     def _no_slots(self) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.long, device=self.device)
@@ -362,17 +370,10 @@ class LruPolicy(EvictionPolicy):
     name = "lru"
     evicts = True
 
-    def bind(
-        self,
-        num_slots: int,
-        bytes_per_token: int,
-        budget_tokens: int,
-        max_batch_size: int,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
+    def _allocate(self) -> None:
+        super()._allocate()
         # float32 counts steps exactly up to 2**24; the top-k over float32 is the cheapest there is.
-        self.last_used = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self.last_used = self._per_slot(torch.float32)
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
         self.last_used[slots] = float(step)
@@ -398,18 +399,11 @@ class H2OPolicy(EvictionPolicy):
     def __init__(self, per_sequence_budget: int | None = None) -> None:
         self.per_sequence_budget = per_sequence_budget
 
-    def bind(
-        self,
-        num_slots: int,
-        bytes_per_token: int,
-        budget_tokens: int,
-        max_batch_size: int,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
-        self.accumulated = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+    def _allocate(self) -> None:
+        super()._allocate()
+        self.accumulated = self._per_slot(torch.float32)
         # The paper fixes k per sequence; the default splits M evenly over a full batch.
-        self.k = self.per_sequence_budget or max(2, budget_tokens // max(1, max_batch_size))
+        self.k = self.per_sequence_budget or max(2, self.budget_tokens // max(1, self.max_batch_size))
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
         self.accumulated[slots] = 0.0
@@ -470,30 +464,23 @@ class TokenPDPolicy(EvictionPolicy):
     def __init__(self, params: TokenPDParams | None = None) -> None:
         self.params = params or TokenPDParams()
 
-    def bind(
-        self,
-        num_slots: int,
-        bytes_per_token: int,
-        budget_tokens: int,
-        max_batch_size: int,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
-        self.ret = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
-        self.ret_sq = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
-        self.observed = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
-        self.mu = self.params.initial_price_per_token / bytes_per_token
+    def _allocate(self) -> None:
+        super()._allocate()
+        self.ret = self._per_slot(torch.float32)
+        self.ret_sq = self._per_slot(torch.float32)
+        self.observed = self._per_slot(torch.bool)
+        self.mu = self.params.initial_price_per_token / self.bytes_per_token
         self.busy_steps = 0  # steps since the batch last emptied: the t of the step size
         self.priced_out_total = 0
-        self._value = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
-        self._mask = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
+        self._value = self._per_slot(torch.float32)
+        self._mask = self._per_slot(torch.bool)
         if not self.host_paths:
             return
-        self._priced_out = np.zeros(num_slots, dtype=np.bool_)
+        self._priced_out = np.zeros(self.num_slots, dtype=np.bool_)
         # Every slot not yet observed since its token arrived is in here (duplicates allowed): the fresh
         # tokens of a step are found among these instead of by a pass over the pool. The per-step index
         # work is on a few hundred slots, where NumPy's per-call cost is a fraction of torch's.
-        self._unobserved = np.arange(num_slots, dtype=np.int64)
+        self._unobserved = np.arange(self.num_slots, dtype=np.int64)
         self._ret_np, self._ret_sq_np, self._observed_np = (
             self.ret.numpy(),
             self.ret_sq.numpy(),
@@ -646,18 +633,11 @@ class TokenPDPredictorPolicy(TokenPDPolicy):
         super().__init__(params)
         self.predictor = predictor
 
-    def bind(
-        self,
-        num_slots: int,
-        bytes_per_token: int,
-        budget_tokens: int,
-        max_batch_size: int,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
-        self.forecast = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
-        self.has_forecast = torch.zeros(num_slots, dtype=torch.bool, device=self.device)
-        self.observations = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+    def _allocate(self) -> None:
+        super()._allocate()
+        self.forecast = self._per_slot(torch.float32)
+        self.has_forecast = self._per_slot(torch.bool)
+        self.observations = self._per_slot(torch.float32)
 
     def on_insert(self, slots: torch.Tensor, step: int) -> None:
         super().on_insert(slots, step)
@@ -712,15 +692,8 @@ class PerRequestTokenPDPolicy(TokenPDPredictorPolicy):
 
     name = "token-pd-per-request"
 
-    def bind(
-        self,
-        num_slots: int,
-        bytes_per_token: int,
-        budget_tokens: int,
-        max_batch_size: int,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().bind(num_slots, bytes_per_token, budget_tokens, max_batch_size, device)
+    def _allocate(self) -> None:
+        super()._allocate()
         self.row_mu = torch.full((0,), self.mu, dtype=torch.float64, device=self.device)
 
     def _ensure_rows(self, num_rows: int) -> None:
