@@ -316,8 +316,8 @@ class BackgroundLoops:
         held = [(pool.name, limits.entitlement_id) for pool in snapshot.pools.values() for limits in pool.entitlements]
         self.store_in_flight = dict.fromkeys(held, 0.0)
         self._busy_keys = set()
-        kept = set(held)
-        self.store_dynamics = {key: value for key, value in self.store_dynamics.items() if key in kept}
+        self.store_dynamics = {key: value for key, value in self.store_dynamics.items()
+                               if key in self.store_in_flight}
         # The entitlements whose quotas the view reads: one key each (a quota is the entitlement's, not the key's).
         seen: set[str] = set()
         self._quota_entries = []

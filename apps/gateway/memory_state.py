@@ -147,12 +147,12 @@ class MemoryStateStore(GatewayStateStore):
     ) -> dict[str, dict[str, WindowReading]]:
         # Each ledger knows its pool's entitlements (kept in step with the snapshot).
         now = self.clock.now()
-        readings: dict[str, dict[str, WindowReading]] = {}
+        by_pool: dict[str, dict[str, WindowReading]] = {}
         for pool, ledger in self._ledgers.items():
             changes = ledger.tick_changes(now)
             if changes is not None:
-                readings[pool] = changes
-        return readings
+                by_pool[pool] = changes
+        return by_pool
 
     async def pool_budgets_set(self, *, budgets: Mapping[str, int | None]) -> list[str]:
         now = self.clock.now()

@@ -448,7 +448,10 @@ class RedisStateStore(GatewayStateStore):
                     assert limits.spillover_class is not None
                     tier = limits.tier_limits(limits.spillover_class)
             if print_ and (tier is not None or not decision.admitted or queue_length > 0):
-                kept = None  # not a start on its own limits: decided again on READ's snapshot
+                # Not a start on its own limits (a request behind others in its queue would join them): decided
+                # again on READ's snapshot. What passes here starts (`own_limits_decision` leaves an admitted
+                # decision with an empty queue as it is).
+                kept = None
                 continue
             if tier is not None:
                 # Offered as the lower class (AdmissionLedger._spillover, _request_demoted): decided on the same
@@ -469,9 +472,6 @@ class RedisStateStore(GatewayStateStore):
                 partial(offered_priority, limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config))
             if route == ENQUEUE:
                 mode = QUEUED
-            if print_ and mode != RUNNING:
-                kept = None
-                continue
             if not decision.admitted and not decision.queued:
                 if decision.reason in CAPACITY_REASONS:
                     await self._call("refuse", [self._base(pool.name)],
@@ -526,8 +526,8 @@ class RedisStateStore(GatewayStateStore):
         )
         self._notify(started=raw[1])
         outcome = str(raw[0])
-        if len(raw) > 4:  # the entitlement's snapshot after the release: its next offer may start on it
-            self._kept.keep(reservation.pool, reservation.entitlement, str(raw[4]))
+        # The entitlement's snapshot after the release ('' when nothing was released): its next offer may start on it.
+        self._kept.keep(reservation.pool, reservation.entitlement, str(raw[4]))
         if reservation.quota_scope is not None:  # settled as the ledger settles it (apps.policy.quota_offer)
             prompt, output = settlement(outcome, reservation.input_tokens, reservation.max_tokens, completion_tokens,
                                         prompt_tokens)
@@ -556,7 +556,8 @@ class RedisStateStore(GatewayStateStore):
             raw = await self._call("tick", [self._base(pool)], [self._now()])
             if int(raw[0]) != 1:
                 continue  # the window is too short to measure (or the pool was never used): it stays open
-            # Those at rest were not read: their reading is the one the formulas give from rest (as the ledger's).
+            # Those at rest were not read and have no reading here (theirs is RESTING_READING: as the ledger's
+            # `tick_changes`).
             readings = by_pool[pool] = {}
             elapsed = float(raw[1])
             updates: list[str] = []

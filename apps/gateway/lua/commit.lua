@@ -16,10 +16,14 @@
 -- Reply: {1, state, started, evicted, in flight, bucket level, 0}, or {0} / {0, READ's snapshot now}.
 local now = clock(ARGV[1])
 local pool = load(POOL)
-local pairs_given = {}
-for i = 25, #ARGV do table.insert(pairs_given, ARGV[i]) end
+-- The reservations as given, read only when needed (a kept snapshot to check, or a new signature).
+local function given_pairs()
+  local given = {}
+  for i = 25, #ARGV do table.insert(given, ARGV[i]) end
+  return given
+end
 if ARGV[21] ~= '' then
-  local fields, level = snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), ARGV[3], pairs_given, now)
+  local fields, level = snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), ARGV[3], given_pairs(), now)
   if fingerprint(fields) ~= ARGV[21] or fields[20] == '1' or level < tonumber(ARGV[7]) then
     return {0, table.concat(fields, ' ')}
   end
@@ -27,7 +31,7 @@ elseif field(pool, 'ver') ~= tonumber(ARGV[2]) then
   return {0}
 end
 local reserved = nil
-if pool.res_sig ~= tonumber(ARGV[23]) then reserved = pairs_given end
+if pool.res_sig ~= tonumber(ARGV[23]) then reserved = given_pairs() end
 pool = pool_config(now, ARGV[15], ARGV[16], ARGV[17], ARGV[18], ARGV[19], reserved)
 pool.res_sig = tonumber(ARGV[23])
 local id = ARGV[3]

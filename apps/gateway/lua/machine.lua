@@ -593,7 +593,7 @@ end
 
 -- What a decision taken on a snapshot depends on, but for the bucket's level, which only rises with time (a
 -- charge moves the levels beside it), the oldest start (read for refusals only) and the duplicate flag:
--- apps.gateway.redis_state.fingerprint writes the same from READ's reply.
+-- apps.gateway.redis_snapshot.fingerprint writes the same from READ's reply.
 local function fingerprint(fields)
   local kept = {}
   for i, value in ipairs(fields) do
