@@ -101,6 +101,12 @@ async def send_upstream(ctx: RequestContext, transport: UpstreamTransport, timeo
             replicas.release(url)
             if isinstance(exc, httpx.ConnectTimeout):
                 replicas.timed_out(url)
+                # Silence is not a no (apps.gateway.routing): a replica that still counts as healthy is tried
+                # once more when no other is left. A gateway whose own loop stalled past the connect timeout
+                # (a burst of a thousand arrivals) saw its only replica "time out" with the connection made.
+                if not resent and not replicas.candidates(tried):
+                    resent = True
+                    tried.discard(url)
             else:
                 replicas.mark(url, False)
         except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,8 @@ import httpx
 import pytest
 
 from apps.gateway.memory_state import MemoryStateStore
+from apps.gateway.upstream import default_transport
+from apps.gateway.upstream_http import UpstreamTransport
 from apps.policy import ManualClock
 from tests.support.services import free_port
 
@@ -47,6 +50,55 @@ def test_no_healthy_replica_is_503_and_releases(gateway_factory: Any) -> None:
     assert h.usage().in_flight == 0
     again = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
     assert again.status_code == 503
+
+
+class FirstConnectTimesOut(UpstreamTransport):
+    """The fault behind a CI failure: a gateway loop stalled past the connect timeout by a burst of a
+    thousand arrivals saw its only replica's connect "time out". A stall that long cannot be provoked on cue."""
+
+    def __init__(self) -> None:
+        base = default_transport()
+        super().__init__(keepalive_connections=base.keepalive_connections, keepalive_expiry=base.keepalive_expiry)
+        self.timeouts_left = 1
+
+    async def _connect(self, key: tuple[str, str, int], timeout_s: float | None) -> Any:
+        if self.timeouts_left:
+            self.timeouts_left -= 1
+            raise httpx.ConnectTimeout("stalled past the connect timeout")
+        return await super()._connect(key, timeout_s)
+
+
+def test_a_connect_timeout_on_the_only_replica_is_tried_once_more_not_a_503(gateway_factory: Any,
+                                                                            upstream_factory: Any) -> None:
+    upstream, _ = upstream_factory()
+    h = gateway_factory(upstreams=[upstream], config={"tokenize": False})
+    h.gateway.transport = transport = FirstConnectTimesOut()
+    response = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth())
+    assert response.status_code == 200, response.text
+    assert (transport.timeouts_left, transport.opened, len(upstream.received)) == (0, 1, 1)
+    assert h.gateway.replicas["tiny"].healthy[upstream.url] is True
+    assert h.usage().in_flight == 0
+
+
+def test_a_replica_that_never_answers_a_connect_is_tried_twice_then_503(gateway_factory: Any) -> None:
+    silent = socket.socket()  # listens, accepts nothing, and its backlog is full: SYNs go unanswered
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    filler = socket.create_connection(silent.getsockname(), timeout=5)  # listen(0) queues one connection
+    try:
+        h = gateway_factory(upstreams=[], replica_urls=[url], config={"tokenize": False, "connect_timeout_s": 0.2})
+        started = time.monotonic()
+        response = httpx.post(h.url + "/v1/chat/completions", json=BODY, headers=h.auth(), timeout=10)
+        elapsed = time.monotonic() - started
+    finally:
+        filler.close()
+        silent.close()
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_healthy_replica"
+    assert elapsed >= 0.4  # two connect timeouts of 0.2 s, one after the other
+    assert h.gateway.replicas["tiny"].timeouts[url] == 2  # counted, not yet down (three in a row are)
+    assert h.usage().in_flight == 0
 
 
 def test_health_probe_takes_a_replica_out_and_back(gateway_factory: Any, upstream_factory: Any) -> None:
