@@ -2,11 +2,12 @@
 through LiteLLM's proxy, measured with wrk in one run.
 
     python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
-                            [--request-log on|off|both] [--stores memory redis] [--write-results]
+                            [--request-log on|off|both] [--stores memory redis] [--redis-core 1|0|any]
+                            [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
-wrk share core 1, so "requests/s" is per gateway process on one core.
+wrk share core 1 (until 2026-11-27 Redis was left unpinned, wherever the scheduler put it), so "requests/s" is per gateway process on one core.
 
 Two kinds of measurement per target:
 - closed loop (wrk's default): every stream sends its next request as soon as the last one is answered.
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
 
 from bench.baseline import source_tree
 from bench.otlp_sink import OtlpSink
@@ -113,6 +115,18 @@ def cpu_seconds(pid: int) -> float:
 
 def _pinned(core: str, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", core, *cmd] if shutil.which("taskset") else cmd
+
+
+def pin_redis(url: str, cores: str) -> None:
+    """Move the Redis server at `url` onto `cores` (a taskset list; "any": leave it where the scheduler puts it)."""
+    if cores == "any" or shutil.which("taskset") is None:
+        return
+    client = redis.Redis.from_url(url)
+    try:
+        pid = int(client.info("server")["process_id"])
+    finally:
+        client.close()
+    subprocess.run(["taskset", "-p", "-c", cores, str(pid)], capture_output=True, check=True)
 
 
 @contextlib.contextmanager
@@ -200,8 +214,9 @@ def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: a
                     # The periodic ticks (the debt and burst EWMA among them) run in the gateway as with the in-process
                     # store: a Redis URL alone would hand them to a Celery worker this benchmark does not start,
                     # and the figures would leave out what the ticks cost Redis and the gateway.
-                    env |= {"REDIS_URL": stack.enter_context(running_redis()), "GATEWAY_STATE_BACKEND": "redis",
-                            "TOKENPOOLS_TICKS": "in-process"}
+                    redis_url = stack.enter_context(running_redis())
+                    pin_redis(redis_url, args.redis_core)
+                    env |= {"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis", "TOKENPOOLS_TICKS": "in-process"}
                 traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
                 for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
                     name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
@@ -360,7 +375,8 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         f"{' '.join(map(str, args.concurrency))} --paced-rate {' '.join(f'{r:g}' for r in args.paced_rate)}"
         f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}"
         f" --request-log {args.request_log} --stores {' '.join(args.stores)} --rounds {args.rounds}`  ",
-        f"Machine: {machine_description()}; proxy pinned to core 0, nginx + Redis + wrk on core 1  ",
+        f"Machine: {machine_description()}; proxy pinned to core {SERVER_CORE}, nginx + wrk on core {LOADGEN_CORE}, "
+        f"Redis on {'any core' if args.redis_core == 'any' else 'core ' + args.redis_core}  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "Upstream: nginx returning a fixed chat completion (instant). Added latency = proxy minus direct at the "
@@ -547,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the gateway's request log (GATEWAY_REQUEST_LOG_DAYS 7 or 0); both: side by side")
     parser.add_argument("--stores", nargs="+", choices=["memory", "redis"], default=["memory", "redis"],
                         help="the gateway state stores to measure")
+    parser.add_argument("--redis-core", default=LOADGEN_CORE, metavar="CORES",
+                        help="taskset core list of the Redis servers (default: the load generator's core, away from "
+                             "the proxy's); any: unpinned")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--extra-entitlements", type=int, default=0, metavar="N",
