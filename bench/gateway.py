@@ -3,7 +3,7 @@ through LiteLLM's proxy, measured with wrk in one run.
 
     python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
                             [--request-log on|off|both] [--stores memory redis] [--redis-core 1|0|any]
-                            [--write-results]
+                            [--redis-socket tcp|unix] [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
@@ -207,16 +207,20 @@ def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: a
     logs = {"on": [True], "off": [False], "both": [True, False]}[args.request_log]
     for store in args.stores:
         with contextlib.ExitStack() as stack:
-            targets = []
+            targets: list[tuple[str, str, str]] = []
             for suffix, site, site_env in sites:
                 env: dict[str, str] = dict(site_env)
                 if store == "redis":
                     # The periodic ticks (the debt and burst EWMA among them) run in the gateway as with the in-process
                     # store: a Redis URL alone would hand them to a Celery worker this benchmark does not start,
                     # and the figures would leave out what the ticks cost Redis and the gateway.
-                    redis_url = stack.enter_context(running_redis())
+                    socket_path = workdir / f"redis-{len(targets)}.sock"
+                    unix = ("--unixsocket", str(socket_path), "--unixsocketperm", "700")
+                    redis_url = stack.enter_context(running_redis(*(unix if args.redis_socket == "unix" else ())))
                     pin_redis(redis_url, args.redis_core)
                     env |= {"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis", "TOKENPOOLS_TICKS": "in-process"}
+                    if args.redis_socket == "unix":  # the gateway's state only: the rest keeps REDIS_URL
+                        env["GATEWAY_REDIS_URL"] = f"unix://{socket_path}"
                 traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
                 for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
                     name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
@@ -376,7 +380,8 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}"
         f" --request-log {args.request_log} --stores {' '.join(args.stores)} --rounds {args.rounds}`  ",
         f"Machine: {machine_description()}; proxy pinned to core {SERVER_CORE}, nginx + wrk on core {LOADGEN_CORE}, "
-        f"Redis on {'any core' if args.redis_core == 'any' else 'core ' + args.redis_core}  ",
+        f"Redis on {'any core' if args.redis_core == 'any' else 'core ' + args.redis_core} over "
+        f"{'a unix socket' if args.redis_socket == 'unix' else 'TCP'}  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "Upstream: nginx returning a fixed chat completion (instant). Added latency = proxy minus direct at the "
@@ -566,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-core", default=LOADGEN_CORE, metavar="CORES",
                         help="taskset core list of the Redis servers (default: the load generator's core, away from "
                              "the proxy's); any: unpinned")
+    parser.add_argument("--redis-socket", choices=["tcp", "unix"], default="tcp",
+                        help="how the gateway reaches its Redis: TCP on loopback, or a unix socket (Redis beside it)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--extra-entitlements", type=int, default=0, metavar="N",
