@@ -2,8 +2,8 @@
 through LiteLLM's proxy, measured with wrk in one run.
 
     python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
-                            [--request-log on|off|both] [--stores memory redis] [--redis-core 1|0|any]
-                            [--redis-socket tcp|unix] [--write-results]
+                            [--request-log on|off|both] [--stores memory redis] [--redis-core 1 0 any]
+                            [--redis-socket tcp unix] [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
@@ -201,41 +201,55 @@ def prepare_bench_site(workdir: Path, upstream: str, repo: Path = REPO, extra_en
 def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: argparse.Namespace,
                   workdir: Path) -> list[Measurement]:
     """Each site with the in-process store, then with Redis; with several sites (this commit and a baseline,
-    or this commit with tracing on: a site's own environment) their servers run side by side and are measured
-    in alternation (`measure_alternating`)."""
+    or this commit with tracing on: a site's own environment) or several places for Redis (`--redis-core`,
+    `--redis-socket`), their servers run side by side and are measured in alternation (`measure_alternating`)."""
     rows: list[Measurement] = []
     logs = {"on": [True], "off": [False], "both": [True, False]}[args.request_log]
     for store in args.stores:
         with contextlib.ExitStack() as stack:
             targets: list[tuple[str, str, str]] = []
             for suffix, site, site_env in sites:
-                env: dict[str, str] = dict(site_env)
-                if store == "redis":
-                    # The periodic ticks (the debt and burst EWMA among them) run in the gateway as with the in-process
-                    # store: a Redis URL alone would hand them to a Celery worker this benchmark does not start,
-                    # and the figures would leave out what the ticks cost Redis and the gateway.
-                    socket_path = workdir / f"redis-{len(targets)}.sock"
-                    unix = ("--unixsocket", str(socket_path), "--unixsocketperm", "700")
-                    redis_url = stack.enter_context(running_redis(*(unix if args.redis_socket == "unix" else ())))
-                    pin_redis(redis_url, args.redis_core)
-                    env |= {"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis", "TOKENPOOLS_TICKS": "in-process"}
-                    if args.redis_socket == "unix":  # the gateway's state only: the rest keeps REDIS_URL
-                        env["GATEWAY_REDIS_URL"] = f"unix://{socket_path}"
-                traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
-                for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
-                    name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
-                    name += f"-{site.env['DATABASE_URL'].rsplit('/', 1)[-1]}"
-                    url, proc = stack.enter_context(serving(
-                        site, env={**env, "GATEWAY_REQUEST_LOG_DAYS": "7" if log else "0"},
-                        log_name=f"gateway-{name}.log", cpu_core=SERVER_CORE))
-                    SERVER_PIDS[url] = proc.pid
-                    label = f"tokenpools ({store}{'' if log else ', log off'}){suffix}"
-                    targets.append((label, url, site.keys["bench"]))
+                for placement, redis_env in _redis_placements(store, args, workdir, stack):
+                    env = {**site_env, **redis_env}
+                    traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
+                    for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
+                        name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
+                        name += f"-{site.env['DATABASE_URL'].rsplit('/', 1)[-1]}{placement.replace(' ', '-')}"
+                        url, proc = stack.enter_context(serving(
+                            site, env={**env, "GATEWAY_REQUEST_LOG_DAYS": "7" if log else "0"},
+                            log_name=f"gateway-{name}.log", cpu_core=SERVER_CORE))
+                        SERVER_PIDS[url] = proc.pid
+                        label = f"tokenpools ({store}{'' if log else ', log off'}){suffix}{placement}"
+                        targets.append((label, url, site.keys["bench"]))
             if len(targets) == 1:
                 rows += measure(*targets[0], args, workdir)
             else:
                 rows += measure_alternating(targets, args, workdir, rounds=args.rounds)
     return rows
+
+
+def _redis_placements(store: str, args: argparse.Namespace, workdir: Path,
+                      stack: contextlib.ExitStack) -> list[tuple[str, dict[str, str]]]:
+    """For the Redis store, one Redis server per place asked for (its cores, TCP or a unix socket), each with the
+    environment a gateway using it gets, and a label suffix when there are several; none for the in-process one."""
+    if store != "redis":
+        return [("", {})]
+    places = [(cores, socket) for cores in args.redis_core for socket in args.redis_socket]
+    found = []
+    for cores, socket in places:
+        socket_path = workdir / f"redis-{secrets.token_hex(4)}.sock"
+        unix = ("--unixsocket", str(socket_path), "--unixsocketperm", "700") if socket == "unix" else ()
+        redis_url = stack.enter_context(running_redis(*unix))
+        pin_redis(redis_url, cores)
+        # The periodic ticks (the debt and burst EWMA among them) run in the gateway as with the in-process
+        # store: a Redis URL alone would hand them to a Celery worker this benchmark does not start, and the
+        # figures would leave out what the ticks cost Redis and the gateway.
+        env = {"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis", "TOKENPOOLS_TICKS": "in-process"}
+        if socket == "unix":  # the gateway's state only: the rest keeps REDIS_URL
+            env["GATEWAY_REDIS_URL"] = f"unix://{socket_path}"
+        label = f" [Redis on {'any core' if cores == 'any' else 'core ' + cores}, {socket}]" if len(places) > 1 else ""
+        found.append((label, env))
+    return found
 
 
 @contextlib.contextmanager
@@ -378,10 +392,11 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         f"Command: `python -m bench.gateway --duration {args.duration} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --paced-rate {' '.join(f'{r:g}' for r in args.paced_rate)}"
         f"{' --no-litellm' if args.no_litellm else ''}{f' --baseline {args.baseline}' if args.baseline else ''}"
-        f" --request-log {args.request_log} --stores {' '.join(args.stores)} --rounds {args.rounds}`  ",
+        f" --request-log {args.request_log} --stores {' '.join(args.stores)} --rounds {args.rounds}"
+        f"{f' --extra-entitlements {args.extra_entitlements}' if args.extra_entitlements else ''}"
+        f" --redis-core {' '.join(args.redis_core)} --redis-socket {' '.join(args.redis_socket)}`  ",
         f"Machine: {machine_description()}; proxy pinned to core {SERVER_CORE}, nginx + wrk on core {LOADGEN_CORE}, "
-        f"Redis on {'any core' if args.redis_core == 'any' else 'core ' + args.redis_core} over "
-        f"{'a unix socket' if args.redis_socket == 'unix' else 'TCP'}  ",
+        f"Redis on core(s) {' / '.join(args.redis_core)} over {' / '.join(args.redis_socket)} (any: unpinned)  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "Upstream: nginx returning a fixed chat completion (instant). Added latency = proxy minus direct at the "
@@ -568,11 +583,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the gateway's request log (GATEWAY_REQUEST_LOG_DAYS 7 or 0); both: side by side")
     parser.add_argument("--stores", nargs="+", choices=["memory", "redis"], default=["memory", "redis"],
                         help="the gateway state stores to measure")
-    parser.add_argument("--redis-core", default=LOADGEN_CORE, metavar="CORES",
+    parser.add_argument("--redis-core", nargs="+", default=[LOADGEN_CORE], metavar="CORES",
                         help="taskset core list of the Redis servers (default: the load generator's core, away from "
-                             "the proxy's); any: unpinned")
-    parser.add_argument("--redis-socket", choices=["tcp", "unix"], default="tcp",
-                        help="how the gateway reaches its Redis: TCP on loopback, or a unix socket (Redis beside it)")
+                             "the proxy's); any: unpinned; several: one Redis and gateway each, side by side")
+    parser.add_argument("--redis-socket", nargs="+", choices=["tcp", "unix"], default=["tcp"],
+                        help="how the gateway reaches its Redis: TCP on loopback, or a unix socket (Redis beside "
+                             "it); both: side by side")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--extra-entitlements", type=int, default=0, metavar="N",
