@@ -121,16 +121,22 @@ def _pinned(core: str, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", core, *cmd] if shutil.which("taskset") else cmd
 
 
-def pin_redis(url: str, cores: str) -> None:
-    """Move the Redis server at `url` onto `cores` (a taskset list; "any": leave it where the scheduler puts it)."""
+def pin_pids(pids: list[int], cores: str) -> None:
+    """Move running processes onto `cores` (a taskset list; "any": leave them where the scheduler puts them)."""
     if cores == "any" or shutil.which("taskset") is None:
         return
+    for pid in pids:
+        subprocess.run(["taskset", "-p", "-c", cores, str(pid)], capture_output=True, check=True)
+
+
+def pin_redis(url: str, cores: str) -> None:
+    """Move the Redis server at `url` onto `cores` (`pin_pids`)."""
     client = redis.Redis.from_url(url)
     try:
         pid = int(client.info("server")["process_id"])
     finally:
         client.close()
-    subprocess.run(["taskset", "-p", "-c", cores, str(pid)], capture_output=True, check=True)
+    pin_pids([pid], cores)
 
 
 @contextlib.contextmanager
@@ -213,9 +219,9 @@ def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: a
         with contextlib.ExitStack() as stack:
             targets: list[tuple[str, str, str]] = []
             for suffix, site, site_env in sites:
+                traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
                 for placement, redis_env in _redis_placements(store, args, workdir, stack):
                     env = {**site_env, **redis_env}
-                    traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
                     for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
                         name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
                         name += f"-{site.env['DATABASE_URL'].rsplit('/', 1)[-1]}{placement.replace(' ', '-')}"
@@ -386,12 +392,13 @@ def measure_alternating(targets: list[tuple[str, str, str]], args: argparse.Name
         _check_ok(url, key)
         run_wrk(url, key, 8, 2, workdir)
     rows: list[Measurement] = []
+    pause = args.neighbours == "paused"
     for load in _loads(args):
         taken: dict[str, list[Measurement]] = {label: [] for label, _, _ in targets}
         for round_ in range(rounds):
             for label, url, key in (targets if round_ % 2 == 0 else list(reversed(targets))):
-                with _others_paused(url, targets, args.neighbours == "paused"):
-                    if args.neighbours == "paused":  # back from its own pause: its overdue ticks run here
+                with _others_paused(url, targets, pause):
+                    if pause:  # back from its own pause: its overdue ticks run here
                         run_wrk(url, key, 8, 1, workdir)
                     taken[label].append(measure_one(label, url, key, load, args, workdir))
         for label, runs in taken.items():

@@ -40,7 +40,16 @@ from pathlib import Path
 import httpx
 import redis
 
-from bench.gateway import CHAT_BODY, LOADGEN_CORE, PACED_STREAMS, _pinned, _to_ms, nginx_upstream
+from bench.gateway import (
+    CHAT_BODY,
+    LOADGEN_CORE,
+    PACED_STREAMS,
+    _pinned,
+    _to_ms,
+    nginx_upstream,
+    pin_pids,
+    pin_redis,
+)
 from bench.results import machine_description, save_rows, write_section
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.redis_cluster import LocalRedisCluster, running_redis_cluster, slot_of
@@ -263,11 +272,11 @@ def store(kind: str, site: PreparedSite, workers: int, args: argparse.Namespace)
         if kind == "one Redis":
             state_url = stack.enter_context(running_redis())
             ports = [int(state_url.rsplit(":", 1)[1].split("/")[0])]
-            _pin_pids([_port_pid(ports[0])])
+            pin_redis(state_url, LOADGEN_CORE)  # away from the gateway processes
             env["GATEWAY_REDIS_URL"] = state_url
         else:
             cluster: LocalRedisCluster = stack.enter_context(running_redis_cluster())
-            _pin_pids([p.pid for p in cluster.procs.values()])
+            pin_pids([p.pid for p in cluster.procs.values()], LOADGEN_CORE)
             ports = sorted(cluster.primaries())
             owners = {cluster.owner(slot_of(f"tp:gw:{{{pool}}}:pool")) for pool in site_pools(site)}
             if len(owners) != len(ports):
@@ -281,16 +290,6 @@ def store(kind: str, site: PreparedSite, workers: int, args: argparse.Namespace)
 
 def site_pools(site: PreparedSite) -> list[str]:
     return sorted(name.removeprefix("ent-") for name in site.keys)
-
-
-def _port_pid(port: int) -> int:
-    return int(redis.Redis(port=port).info("server")["process_id"])
-
-
-def _pin_pids(pids: list[int]) -> None:
-    """Redis on the load generator's core, away from the gateway processes (as `bench.gateway` does)."""
-    for pid in pids:
-        subprocess.run(["taskset", "-p", "-c", LOADGEN_CORE, str(pid)], capture_output=True, check=False)
 
 
 def report(rows: list[Row], direct: WrkResult, args: argparse.Namespace, argv: list[str]) -> str:

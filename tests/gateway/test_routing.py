@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from apps.gateway.memory_state import MemoryStateStore
-from apps.gateway.upstream import default_transport
+from apps.gateway.upstream import UPSTREAM_KEEPALIVE_S
 from apps.gateway.upstream_http import UpstreamTransport
 from apps.policy import ManualClock
 from tests.support.services import free_port
@@ -57,8 +57,7 @@ class FirstConnectTimesOut(UpstreamTransport):
     thousand arrivals saw its only replica's connect "time out". A stall that long cannot be provoked on cue."""
 
     def __init__(self) -> None:
-        base = default_transport()
-        super().__init__(keepalive_connections=base.keepalive_connections, keepalive_expiry=base.keepalive_expiry)
+        super().__init__(keepalive_connections=8, keepalive_expiry=UPSTREAM_KEEPALIVE_S)
         self.timeouts_left = 1
 
     async def _connect(self, key: tuple[str, str, int], timeout_s: float | None) -> Any:
