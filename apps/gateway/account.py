@@ -5,6 +5,9 @@ the end of the answer goes to the client (clients send their next request as soo
 the way out after a rejection while waiting, an error, a disconnect or a preemption:
 the dispatch slot goes back, the state machine completes the request (refunding what it did not use) or
 cancels it if it was still waiting, and the tokens it used go to the metrics and the usage records.
+The end of the answer waits for the release to begin, not for the store's answer to it: a release once begun
+comes before any later offer of this process (`GatewayStateStore.release`), and on Redis its answer is a
+round trip the client would otherwise wait for. `settle` waits for the releases still on their way (stop).
 
 A release the store could not take (Redis away) is not dropped: it is kept and tried again every second
 until the store takes it (`retry_pending`), so nothing stays held once the store is back; releases are
@@ -79,10 +82,10 @@ class Accountant:
             ctx.proxied and reservation.accounted) else None
         in_store = usage is not None
         if ctx.proxied:
-            await self.release(reservation, prompt, completion, usage)
+            await self._begin_release(reservation, prompt, completion, usage)
         else:
             # Nothing reached a backend (expired, cancelled): the whole charge comes back.
-            await self.release(reservation, 0, 0, None)
+            await self._begin_release(reservation, 0, 0, None)
         self.metrics.tokens.inc((entitlement, "prompt"), prompt)
         self.metrics.tokens.inc((entitlement, "completion"), completion)
         self.metrics.duration.observe((admission.pool.name,), time.perf_counter() - ctx.started)
@@ -97,15 +100,39 @@ class Accountant:
 
     async def release(self, reservation: Reservation, prompt_tokens: int | None, completion_tokens: int | None,
                       usage: UsageKey | None) -> None:
+        """Release and wait for the store's answer (or the deferral)."""
+        task = self._release_task(reservation, prompt_tokens, completion_tokens, usage)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def _begin_release(self, reservation: Reservation, prompt_tokens: int | None,
+                             completion_tokens: int | None, usage: UsageKey | None) -> None:
+        """Release, waiting only until the release has begun (its task's first step): from then on it comes
+        before any later offer of this process (`GatewayStateStore.release`)."""
+        if self._release_task(reservation, prompt_tokens, completion_tokens, usage) is not None:
+            await asyncio.sleep(0)  # the task was scheduled first: its first step runs before this resumes
+
+    def _release_task(self, reservation: Reservation, prompt_tokens: int | None, completion_tokens: int | None,
+                      usage: UsageKey | None) -> asyncio.Task[None] | None:
         if not reservation.accounted:
-            return
-        # A task of its own, shielded: a cancellation of the request (shutdown, client gone, twice) must not
-        # leave the reservation held, nor lose the deferral when the store is away.
+            return None
+        # A task of its own: a cancellation of the request (shutdown, client gone, twice) must not leave the
+        # reservation held, nor lose the deferral when the store is away.
         task = asyncio.ensure_future(self._release_or_defer(
             PendingRelease(reservation, prompt_tokens, completion_tokens, usage)))
         self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
-        await asyncio.shield(task)
+        task.add_done_callback(self._release_done)
+        return task
+
+    def _release_done(self, task: asyncio.Task[None]) -> None:
+        self._releasing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug (a store away is deferred instead)
+            logger.error("release failed", exc_info=task.exception())
+
+    async def settle(self) -> None:
+        """Wait for the releases still on their way to the store (each lands or is deferred)."""
+        while self._releasing:
+            await asyncio.wait(list(self._releasing))
 
     async def forget(self, reservation: Reservation) -> None:
         """Release what the store holds under the reservation's request id, with nothing used (an offer whose

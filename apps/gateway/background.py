@@ -165,6 +165,7 @@ class BackgroundLoops:
         gateway = self.gateway
         if hasattr(gateway, "accountant"):
             with contextlib.suppress(Exception):
+                await gateway.accountant.settle()  # releases on their way land or are deferred, then retried
                 await gateway.accountant.retry_pending()
         with contextlib.suppress(Exception):
             await self.usage_flush()
@@ -474,8 +475,9 @@ class BackgroundLoops:
 
         add("gateway_entitlement_in_flight", "Admitted requests not yet finished, by entitlement (this process).",
             ("entitlement",), by_entitlement)
-        add("gateway_pending_releases", "Releases the state store could not take yet (retried every second).",
-            (), lambda: {(): float(len(gateway.accountant.pending)) if hasattr(gateway, "accountant") else 0.0})
+        add("gateway_pending_releases", "Releases not in the state store yet: on their way (the answer's end does "
+            "not wait for them), or deferred while it is away (retried every second).",
+            (), lambda: {(): float(len(gateway.accountant.unreleased())) if hasattr(gateway, "accountant") else 0.0})
         def dynamics(index: int) -> Callable[[], dict[tuple[str, ...], float]]:
             # A copy first (one step, under the interpreter's lock): the store view adds keys on the event loop.
             return lambda: {key: values[index] for key, values in dict(self.store_dynamics).items()}

@@ -237,6 +237,8 @@ class RedisStateStore(GatewayStateStore):
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._kept = KeptSnapshots()
+        # Releases in progress that no single connection puts ahead of later calls (`release`).
+        self._unordered_releases: set[asyncio.Future[None]] = set()
 
     # --- keys and calls ---------------------------------------------------------------------------------
 
@@ -316,6 +318,8 @@ class RedisStateStore(GatewayStateStore):
         self, *, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float = 0.0,
         quota: QuotaClaim | None = None,
     ) -> Offer:
+        if self._unordered_releases:  # releases begun before this offer come first (see `release`)
+            await asyncio.wait(list(self._unordered_releases))
         if quota is None:
             return await self._offer_settling(limits, pool, request, saturation, None)
 
@@ -518,6 +522,22 @@ class RedisStateStore(GatewayStateStore):
         usage: UsageKey | None = None,
     ) -> ReleaseResult:
         self._forget(reservation.request_id)
+        if self._calls is not None and reservation.quota_scope is None:
+            # Written to the one connection before this first yields (if connected; else behind the
+            # connection's lock, ahead of later calls): Redis applies it before any later call of this process.
+            return await self._release(reservation, prompt_tokens, completion_tokens, usage)
+        # Through redis-py's pool, or with a quota settle after it: not ordered by a connection, so this
+        # process's next offers wait for it (GatewayStateStore.release: a release once begun comes first).
+        done = asyncio.get_running_loop().create_future()
+        self._unordered_releases.add(done)
+        try:
+            return await self._release(reservation, prompt_tokens, completion_tokens, usage)
+        finally:
+            self._unordered_releases.discard(done)
+            done.set_result(None)
+
+    async def _release(self, reservation: Reservation, prompt_tokens: int | None, completion_tokens: int | None,
+                       usage: UsageKey | None) -> ReleaseResult:
         raw = await self._call(
             "release", [self._base(reservation.pool)],
             [self._now(), reservation.request_id, "" if completion_tokens is None else int(completion_tokens),

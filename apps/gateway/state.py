@@ -191,7 +191,12 @@ class GatewayStateStore(ABC):
         is `completed`, `cancelled`, or `unknown` when it was released, evicted or expired already. With a
         `usage` key (`apps.gateway.peers.Peers.usage_key`: only a shared store's peers give one) the tokens
         served are counted under it in the same step. The request's quota reservation is settled at what it
-        used (given prompt, or as counted at admission, plus output)."""
+        used (given prompt, or as counted at admission, plus output).
+
+        Ordered: once its coroutine has run its first step (a task started, then one turn of the event loop),
+        the release comes before any later offer of this process, even before its own answer is back. So the
+        end of an answer need not wait for that answer (`apps.gateway.account`): the client's next request,
+        sent as soon as it sees the end, finds the room free."""
 
     @abstractmethod
     async def quota_leases(self, *, scope: str, request_ids: Sequence[str], lease_s: float) -> list[str]:
