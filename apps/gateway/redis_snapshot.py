@@ -6,7 +6,9 @@ An offer decided on READ's snapshot costs two calls (READ, then COMMIT with the 
 answers with the entitlement's snapshot after it, and a refused offer keeps READ's; the next offer of that
 entitlement in this process decides on it and sends COMMIT alone, with the snapshot's fingerprint: COMMIT
 applies the decision only if READ would give the same fingerprint now and the bucket still holds the charge,
-and otherwise answers with READ's snapshot, on which the caller decides again (two calls, as before). The
+and otherwise answers with READ's snapshot, on which the caller decides again (two calls, as before). While
+the pool's change mark the snapshot carries still stands (nothing written to the pool since), COMMIT does not
+read the snapshot again: only the bucket and the duplicate flag can differ then. The
 decision stands on nothing READ would have shown differently, so the machine's outcomes are unchanged
 (`make conformance` runs the same scenarios either way). Only a start is decided this way: a refusal or a
 wait decided on a kept snapshot is decided again on READ's, since room freed meanwhile (which moves the
@@ -23,8 +25,9 @@ from apps.policy import EntitlementLimits, EntitlementUsage, PoolUsage
 from apps.policy.admission import budget_bound, dispatch_capacity
 
 # The fields a fingerprint leaves out (0-based): the bucket's level (it only rises with time; COMMIT checks the
-# charge against its own), the oldest start (refusals only) and the duplicate flag (the request's own).
-LEVEL, OLDEST, DUPLICATE = 4, 17, 19
+# charge against its own), the oldest start (refusals only), the duplicate flag (the request's own) and the
+# pool's change mark (COMMIT's shortcut: while it stands, nothing was written since, and no field moved).
+LEVEL, OLDEST, DUPLICATE, MARK = 4, 17, 19, 20
 # At most this many entitlements' snapshots per process (a pool of 10,000 entitlements fits many times over).
 KEPT_LIMIT = 100_000
 
@@ -79,7 +82,7 @@ def read_snapshot(fields: list[str], limits: EntitlementLimits, pool: PoolInfo, 
 
 def fingerprint(fields: list[str]) -> str:
     """What COMMIT compares a kept snapshot by (machine.lua's `fingerprint`)."""
-    return " ".join(value for i, value in enumerate(fields) if i not in (LEVEL, OLDEST, DUPLICATE))
+    return " ".join(value for i, value in enumerate(fields) if i not in (LEVEL, OLDEST, DUPLICATE, MARK))
 
 
 class KeptSnapshots:

@@ -39,7 +39,7 @@ from redis.exceptions import MaxConnectionsError, ReadOnlyError, RedisError, Res
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from apps.gateway import redis_cluster
-from apps.gateway.redis_snapshot import KeptSnapshots, fingerprint, read_snapshot
+from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint, read_snapshot
 from apps.gateway.resp import MultiplexedRedis
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
@@ -490,7 +490,7 @@ class RedisStateStore(GatewayStateStore):
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
                  *_capacity_args(pool, saturation, self.config), repr(self.lease_s), print_,
-                 "", signature, self._queue_arg(limits), *pairs],
+                 fields[MARK] if print_ else "", signature, self._queue_arg(limits), *pairs],
             )
             if int(raw[0]) == 1:
                 offer = self._committed(limits, pool, request, decision, raw)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from apps.gateway.redis_snapshot import KeptSnapshots, fingerprint
+from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint
 from apps.gateway.redis_state import RedisStateStore
 from apps.policy import AdmissionRequest
 from tests.gateway.test_redis_state import limits, pool, request
@@ -26,10 +26,14 @@ class CountingStore(RedisStateStore):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.calls: Counter[str] = Counter()
+        self.shortcuts: list[int] = []  # per committed COMMIT: 1 when the change mark confirmed a kept snapshot
 
     async def _call(self, name: str, keys: list[str], args: Any) -> Any:
         self.calls[name] += 1
-        return await super()._call(name, keys, args)
+        raw = await super()._call(name, keys, args)
+        if name == "commit" and int(raw[0]) == 1:
+            self.shortcuts.append(int(raw[6]))
+        return raw
 
 
 def with_stores(redis_url: str, count: int, body: Any) -> Any:
@@ -53,6 +57,59 @@ def test_an_offer_after_a_reply_about_its_entitlement_is_one_call(redis_url: str
     first, second, third = with_stores(redis_url, 1, body)
     assert first == Counter(read=1, commit=1)  # nothing kept yet
     assert second == third == Counter(commit=1)
+
+
+def test_a_kept_snapshot_whose_mark_stands_is_not_read_again(redis_url: str) -> None:
+    async def body(store: CountingStore, other: CountingStore) -> list[int]:
+        ent, quiet = limits("e"), limits("quiet")
+        p = pool("p", 100, ent, quiet)
+        await store.sync_pool(pool=p)
+        for _ in range(3):
+            offer = await store.offer(limits=ent, pool=p, request=request())
+            assert offer.reservation is not None
+            await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=10)
+        # Another process writes to the pool (another entitlement's request): the mark moves, so the next
+        # kept snapshot is checked by its fingerprint (which still matches: nothing this entitlement sees).
+        held = await other.offer(limits=quiet, pool=p, request=request())
+        assert held.reservation is not None
+        await other.release(reservation=held.reservation, prompt_tokens=5, completion_tokens=10)
+        offer = await store.offer(limits=ent, pool=p, request=request())
+        assert offer.state == "running"
+        return store.shortcuts
+
+    # READ's snapshot first (COMMIT by the pool's version), then the mark from each RELEASE's reply stands.
+    assert with_stores(redis_url, 2, body) == [0, 1, 1, 0]
+
+
+def test_a_mark_is_new_after_the_pool_s_keys_are_lost(redis_url: str) -> None:
+    """A Redis restarted without its data (or a failover that lost the last writes) starts its counter again:
+    the mark carries Redis's time too, so no later mark equals one kept from before."""
+    async def body(store: CountingStore, other: CountingStore) -> tuple[str, str, list[int]]:
+        ent = limits("e", concurrency=1)
+        p = pool("p", 100, ent)
+        await store.sync_pool(pool=p)
+        offer = await store.offer(limits=ent, pool=p, request=request())
+        assert offer.reservation is not None
+        await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=10)
+        kept = store._kept.get("p", "e")
+        assert kept is not None
+        base = store._base("p")
+        await store.redis.delete(*[key async for key in store.redis.scan_iter(match=base + "*")])  # all lost
+        await other.sync_pool(pool=p)
+        taken = await other.offer(limits=ent, pool=p, request=request())  # the entitlement's one slot
+        assert taken.state == "running"
+        # The counter brought to the kept mark's own by the next save (a refusal counted).
+        await store.redis.set(base + "marks", int(kept[MARK].split(".")[-1]) - 1)
+        refused = await other.offer(limits=ent, pool=p, request=request())
+        assert refused.state == "rejected"
+        assert str(await store.redis.get(base + "marks")) == kept[MARK].split(".")[-1]
+        late = await store.offer(limits=ent, pool=p, request=request())
+        assert late.state == "rejected"  # the kept snapshot (nothing in flight) is not taken for the truth
+        return kept[MARK], str(await store.redis.get(base + "mark")), store.shortcuts
+
+    kept_mark, mark_now, shortcuts = with_stores(redis_url, 2, body)
+    assert kept_mark and mark_now and kept_mark != mark_now
+    assert shortcuts == [0]
 
 
 def test_room_another_process_took_meanwhile_is_seen(redis_url: str) -> None:
@@ -161,10 +218,10 @@ def test_kept_snapshots_are_bounded_and_forgotten_with_their_pool() -> None:
     assert kept.get("q", "e") is None
 
 
-def test_a_fingerprint_leaves_out_the_level_the_oldest_start_and_the_duplicate_flag() -> None:
-    fields = [str(i) for i in range(20)]
+def test_a_fingerprint_leaves_out_the_level_the_oldest_start_the_duplicate_flag_and_the_mark() -> None:
+    fields = [str(i) for i in range(21)]
     changed = list(fields)
-    changed[4], changed[17], changed[19] = "99", "98", "1"
+    changed[4], changed[17], changed[19], changed[20] = "99", "98", "1", "96"
     assert fingerprint(fields) == fingerprint(changed)
     changed[5] = "97"  # the debt
     assert fingerprint(fields) != fingerprint(changed)

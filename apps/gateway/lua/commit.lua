@@ -10,10 +10,13 @@
 -- ARGV: now, version, request id, entitlement id, 'running'|'waiting'|'queued', priority, token cost, KV bytes,
 --       input tokens, max tokens, evictable (1/0), evict (1/0), bucket capacity, bucket rate, pool capacity,
 --       KV capacity, saturation, wait timeout, max evictions, lease seconds, the kept snapshot's fingerprint
---       ('' = decided on READ's), (unused), reservation signature, the entitlement's queue limits ("concurrency
+--       ('' = decided on READ's), its change mark ('' = none), reservation signature, the entitlement's queue limits ("concurrency
 --       burst_concurrency kv_bytes burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), then the
 --       reservations as pairs (only read when the signature changed, or to check a kept snapshot).
--- Reply: {1, state, started, evicted, in flight, bucket level, 0}, or {0} / {0, READ's snapshot now}.
+-- A kept snapshot whose change mark still stands is not read again: no write since means READ would give the
+-- same (machine.lua's `new_mark`); only the bucket and the duplicate flag are checked.
+-- Reply: {1, state, started, evicted, in flight, bucket level, 1 if the mark confirmed a kept snapshot else 0},
+-- or {0} / {0, READ's snapshot now}.
 local now = clock(ARGV[1])
 local pool = load(POOL)
 -- The reservations as given, read only when needed (a kept snapshot to check, or a new signature).
@@ -22,7 +25,19 @@ local function given_pairs()
   for i = 25, #ARGV do table.insert(given, ARGV[i]) end
   return given
 end
-if ARGV[21] ~= '' then
+local shortcut = 0
+if ARGV[21] ~= '' and ARGV[22] ~= '' and redis.call('GET', MARK) == ARGV[22] and pool.res_sig == tonumber(ARGV[23]) then
+  -- Nothing written to the pool since the kept snapshot, and the reservations it was read with: READ would
+  -- give it again, but for what changes without a write (the bucket's level) and the duplicate flag.
+  local e = entitlement(ARGV[4], now)
+  bucket_limits(e, tonumber(ARGV[13]), tonumber(ARGV[14]), now)
+  local held = request(ARGV[3])
+  if (held ~= nil and held.state ~= 'evicted') or bucket_level(e, now) < tonumber(ARGV[7]) then
+    local fields = snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), ARGV[3], given_pairs(), now)
+    return {0, table.concat(fields, ' ')}
+  end
+  shortcut = 1
+elseif ARGV[21] ~= '' then
   local fields, level = snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), ARGV[3], given_pairs(), now)
   if fingerprint(fields) ~= ARGV[21] or fields[20] == '1' or level < tonumber(ARGV[7]) then
     return {0, table.concat(fields, ' ')}
@@ -59,7 +74,7 @@ if ARGV[5] == 'queued' then
   redis.call('ZADD', WAIT_T, fmt(r.dl), r.wm)
   took_room(pool)
   save()
-  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), 0}
+  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), shortcut}
 end
 charge(e, r, now)
 if ARGV[5] == 'running' then
@@ -83,4 +98,4 @@ publish('e', evicted)
 local others = {}
 for _, other in ipairs(started) do if other ~= id then table.insert(others, other) end end
 publish('s', others)
-return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), 0}
+return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), shortcut}

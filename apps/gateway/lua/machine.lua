@@ -32,9 +32,11 @@
 --   unsettled set   entitlements not at rest (`at_rest`): those a tick reads
 --             (both kept by `save`; SYNC, which writes every entitlement of the pool, fills them for records an
 --             earlier release wrote)
+--   mark      string the pool's change mark, new with every save that writes (`new_mark`)
+--   marks     string the counter in it
 -- MessagePack keeps every double exactly; scores and replies are formatted with 17 significant digits.
 
-local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES, QENTS, BUSY, UNSETTLED
+local KEYS, ARGV, BASE, POOL, PRIO, EVICT, WAIT, WAIT_T, RES, LEASES, QENTS, BUSY, UNSETTLED, MARK, MARKS
 local EVENTS = 'tp:gw:events'
 -- Fields of a loaded record that are the cache's own, never stored.
 local PRIVATE = {_key = true, _new = true, _id = true}
@@ -47,7 +49,7 @@ local function bind(keys, args)
   BASE = keys[1]
   POOL, PRIO, EVICT, WAIT, WAIT_T = BASE .. 'pool', BASE .. 'prio', BASE .. 'evict', BASE .. 'wait', BASE .. 'wait_t'
   RES, LEASES, QENTS, BUSY = BASE .. 'res', BASE .. 'leases', BASE .. 'qents', BASE .. 'busy'
-  UNSETTLED = BASE .. 'unsettled'
+  UNSETTLED, MARK, MARKS = BASE .. 'unsettled', BASE .. 'mark', BASE .. 'marks'
   cache, dirty, order = {}, {}, {}
 end
 
@@ -131,10 +133,24 @@ end
 -- Every write of an entitlement record keeps the pool's `busy` set (entitlements with requests in flight) and
 -- its `unsettled` set (those not at rest): what is in flight (IN_FLIGHT) and a tick (TICK) read those, not
 -- every entitlement of the pool.
+-- The pool's change mark: a new one with every save that writes (Redis's time, then a counter), a token no
+-- earlier state of the pool had, even after a restart or a failover lost writes. While it stands, a snapshot
+-- taken at it is still what READ would give (but for the bucket's level and the duplicate flag): COMMIT's
+-- shortcut for a kept snapshot.
+local function new_mark()
+  local t = redis.call('TIME')
+  redis.call('SET', MARK, t[1] .. '.' .. t[2] .. '.' .. redis.call('INCR', MARKS))
+end
+
 local function save()
   local ents = BASE .. 'ent:'
+  local marked = false
   for _, key in ipairs(order) do
     if dirty[key] then
+      if not marked then
+        new_mark()
+        marked = true
+      end
       local t = cache[key]
       redis.call('SET', key, stored(t))
       if string.sub(key, 1, #ents) == ents then
@@ -588,16 +604,17 @@ local function snapshot(id, capacity, rate, request_id, reserved, now)
           fmt(e.debt), fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')),
           fmt(idle_slots), fmt(idle_kv), low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')),
           fmt(field(pool, 'ev_kv')), fmt(field(pool, 'ver')),
-          fmt(field(e, 'qlen')), oldest[2] or '', fmt(pool.budget or -1), duplicate}, level
+          fmt(field(e, 'qlen')), oldest[2] or '', fmt(pool.budget or -1), duplicate,
+          redis.call('GET', MARK) or ''}, level
 end
 
 -- What a decision taken on a snapshot depends on, but for the bucket's level, which only rises with time (a
--- charge moves the levels beside it), the oldest start (read for refusals only) and the duplicate flag:
--- apps.gateway.redis_snapshot.fingerprint writes the same from READ's reply.
+-- charge moves the levels beside it), the oldest start (read for refusals only), the duplicate flag and the
+-- change mark: apps.gateway.redis_snapshot.fingerprint writes the same from READ's reply.
 local function fingerprint(fields)
   local kept = {}
   for i, value in ipairs(fields) do
-    if i ~= 5 and i ~= 18 and i ~= 20 then table.insert(kept, value) end
+    if i ~= 5 and i ~= 18 and i ~= 20 and i ~= 21 then table.insert(kept, value) end
   end
   return table.concat(kept, ' ')
 end
