@@ -237,7 +237,8 @@ class RedisStateStore(GatewayStateStore):
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._kept = KeptSnapshots()
-        # Releases in progress that no single connection puts ahead of later calls (`release`).
+        # Releases in progress: by pool and entitlement, and those no single connection puts ahead of later calls.
+        self._releasing: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
         self._unordered_releases: set[asyncio.Future[None]] = set()
 
     # --- keys and calls ---------------------------------------------------------------------------------
@@ -430,6 +431,9 @@ class RedisStateStore(GatewayStateStore):
         owner = limits
         # A start may be decided on the snapshot this process kept from its last reply for the entitlement, and
         # committed in one call (apps.gateway.redis_snapshot); anything else is decided on READ's.
+        releasing = None if demote else self._releasing.get((pool.name, owner.entitlement_id))
+        if releasing:  # the snapshot its reply brings, not the one kept from before it
+            await asyncio.wait(list(releasing))
         kept = None if demote else self._kept.get(pool.name, owner.entitlement_id)
         fresh: list[str] | None = None  # READ's snapshot, as a failed COMMIT of a kept one brings it
         attempt = 0
@@ -522,18 +526,27 @@ class RedisStateStore(GatewayStateStore):
         usage: UsageKey | None = None,
     ) -> ReleaseResult:
         self._forget(reservation.request_id)
-        if self._calls is not None and reservation.quota_scope is None:
-            # Written to the one connection before this first yields (if connected; else behind the
-            # connection's lock, ahead of later calls): Redis applies it before any later call of this process.
-            return await self._release(reservation, prompt_tokens, completion_tokens, usage)
-        # Through redis-py's pool, or with a quota settle after it: not ordered by a connection, so this
-        # process's next offers wait for it (GatewayStateStore.release: a release once begun comes first).
         done = asyncio.get_running_loop().create_future()
-        self._unordered_releases.add(done)
+        # The entitlement's next offer in this process waits for this reply: it brings the snapshot to decide on
+        # (one call), where the kept one, from before this release, would be out of date (two).
+        entitlement = (reservation.pool, reservation.entitlement)
+        self._releasing.setdefault(entitlement, set()).add(done)
+        # On the one connection, written before this first yields (if connected; else behind the connection's
+        # lock, ahead of later calls): Redis applies it before any later call of this process. Through
+        # redis-py's pool, or with a quota settle after it, nothing orders it: every next offer waits for it
+        # (GatewayStateStore.release: a release once begun comes first).
+        unordered = self._calls is None or reservation.quota_scope is not None
+        if unordered:
+            self._unordered_releases.add(done)
         try:
             return await self._release(reservation, prompt_tokens, completion_tokens, usage)
         finally:
             self._unordered_releases.discard(done)
+            waiting = self._releasing.get(entitlement)
+            if waiting is not None:
+                waiting.discard(done)
+                if not waiting:
+                    del self._releasing[entitlement]
             done.set_result(None)
 
     async def _release(self, reservation: Reservation, prompt_tokens: int | None, completion_tokens: int | None,

@@ -6,6 +6,7 @@ cases where a kept snapshot is out of date."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from typing import Any
 
@@ -57,6 +58,31 @@ def test_an_offer_after_a_reply_about_its_entitlement_is_one_call(redis_url: str
     first, second, third = with_stores(redis_url, 1, body)
     assert first == Counter(read=1, commit=1)  # nothing kept yet
     assert second == third == Counter(commit=1)
+
+
+def test_an_offer_right_after_a_begun_release_decides_on_that_release_s_snapshot(redis_url: str) -> None:
+    """The end of an answer does not wait for the release's reply (apps.gateway.account): a client's next
+    request may come before it. Its offer waits for that reply rather than decide on the snapshot kept from
+    before the release, which COMMIT would turn down (a second call)."""
+    async def body(store: CountingStore) -> list[Counter[str]]:
+        ent = limits("e", concurrency=1)
+        p = pool("p", 100, ent)
+        await store.sync_pool(pool=p)
+        offer = await store.offer(limits=ent, pool=p, request=request())
+        seen = []
+        for _ in range(3):
+            assert offer.reservation is not None
+            release = asyncio.ensure_future(store.release(reservation=offer.reservation, prompt_tokens=5,
+                                                          completion_tokens=10))
+            await asyncio.sleep(0)  # begun, as the account step leaves it
+            store.calls.clear()
+            offer = await store.offer(limits=ent, pool=p, request=request())
+            assert offer.state == "running"
+            seen.append(Counter(store.calls))
+            await release
+        return seen
+
+    assert with_stores(redis_url, 1, body) == [Counter(commit=1)] * 3
 
 
 def test_a_kept_snapshot_whose_mark_stands_is_not_read_again(redis_url: str) -> None:
