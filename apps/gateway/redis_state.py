@@ -349,9 +349,6 @@ class RedisStateStore(GatewayStateStore):
     async def _offer_settling(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
                               saturation: float, quota: QuotaClaim | None, demote: bool = False) -> Offer:
         """The offer, one at a time per pool in this process; a failure gives the quota's reservation back."""
-        releasing = None if demote else self._releasing.get((pool.name, limits.entitlement_id))
-        if releasing:  # the snapshot its reply brings, not the one kept from before it (awaited before the lock)
-            await asyncio.wait(list(releasing))
         lock = self._pool_locks.get(pool.name)
         if lock is None:
             lock = self._pool_locks[pool.name] = asyncio.Lock()
@@ -434,6 +431,9 @@ class RedisStateStore(GatewayStateStore):
         owner = limits
         # A start may be decided on the snapshot this process kept from its last reply for the entitlement, and
         # committed in one call (apps.gateway.redis_snapshot); anything else is decided on READ's.
+        releasing = None if demote else self._releasing.get((pool.name, owner.entitlement_id))
+        if releasing:  # the snapshot its reply brings, not the one kept from before it
+            await asyncio.wait(list(releasing))
         kept = None if demote else self._kept.get(pool.name, owner.entitlement_id)
         fresh: list[str] | None = None  # READ's snapshot, as a failed COMMIT of a kept one brings it
         attempt = 0
