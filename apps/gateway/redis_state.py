@@ -236,6 +236,7 @@ class RedisStateStore(GatewayStateStore):
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
+        self._offers_waiting: dict[tuple[str, str], int] = {}
         self._kept = KeptSnapshots()
         # Releases in progress: by pool and entitlement, and those no single connection puts ahead of later calls.
         self._releasing: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
@@ -352,9 +353,21 @@ class RedisStateStore(GatewayStateStore):
         lock = self._pool_locks.get(pool.name)
         if lock is None:
             lock = self._pool_locks[pool.name] = asyncio.Lock()
+        # Offers of an entitlement waiting here for the lock: the one holding it asks COMMIT for the snapshot
+        # after it, on which the next decides (one call), where the one kept from before it is out of date.
+        waiting = (pool.name, limits.entitlement_id)
         try:
-            async with lock:
+            self._offers_waiting[waiting] = self._offers_waiting.get(waiting, 0) + 1
+            try:
+                await lock.acquire()
+            finally:
+                self._offers_waiting[waiting] -= 1
+                if not self._offers_waiting[waiting]:
+                    del self._offers_waiting[waiting]
+            try:
                 return await self._offer(limits, pool, request, saturation, demote)
+            finally:
+                lock.release()
         except BaseException:
             if quota is not None:  # nothing was admitted: the reservation comes back (if Redis answers)
                 with contextlib.suppress(StateStoreUnavailable):
@@ -494,9 +507,12 @@ class RedisStateStore(GatewayStateStore):
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
                  *_capacity_args(pool, saturation, self.config), repr(self.lease_s), print_,
-                 fields[MARK] if print_ else "", signature, self._queue_arg(limits), *pairs],
+                 fields[MARK] if print_ else "", signature, self._queue_arg(limits),
+                 "1" if self._offers_waiting.get((pool.name, owner.entitlement_id)) else "", *pairs],
             )
             if int(raw[0]) == 1:
+                if limits is owner:  # the snapshot after it, when asked for: the waiting offer decides on it
+                    self._kept.keep(pool.name, owner.entitlement_id, str(raw[7]))
                 offer = self._committed(limits, pool, request, decision, raw)
                 if limits is not owner:  # spilled over: the headers speak of the entitlement's own limits
                     offer = replace(offer, view=rate_view(owner, usage.in_flight, usage.tokens_available))

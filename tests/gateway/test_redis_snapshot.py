@@ -85,6 +85,30 @@ def test_an_offer_right_after_a_begun_release_decides_on_that_release_s_snapshot
     assert with_stores(redis_url, 1, body) == [Counter(commit=1)] * 3
 
 
+def test_an_offer_waiting_for_the_pool_s_lock_decides_on_the_snapshot_after_the_one_before(redis_url: str) -> None:
+    """Offers of one process go one at a time per pool; when another of its entitlement waits, COMMIT answers
+    with the snapshot after it, and the next decides on that: one call each, where the snapshot kept from
+    before would be out of date (a second call)."""
+    async def body(store: CountingStore) -> tuple[Counter[str], list[int]]:
+        ent = limits("e", concurrency=10)
+        p = pool("p", 100, ent)
+        await store.sync_pool(pool=p)
+        first = await store.offer(limits=ent, pool=p, request=request())
+        assert first.reservation is not None
+        await store.release(reservation=first.reservation, prompt_tokens=5, completion_tokens=10)
+        store.calls.clear()
+        store.shortcuts.clear()
+        offers = await asyncio.gather(*(store.offer(limits=ent, pool=p, request=request()) for _ in range(4)))
+        assert [offer.state for offer in offers] == ["running"] * 4
+        return Counter(store.calls), store.shortcuts
+
+    calls, shortcuts = with_stores(redis_url, 1, body)
+    # The first sent its COMMIT before the others came to wait: the second found the kept snapshot out of date
+    # (a second call, its fingerprint checked). Each later one asked for the snapshot after it: one call each.
+    assert calls == Counter(commit=5), calls
+    assert shortcuts == [1, 0, 1, 1], shortcuts
+
+
 def test_a_kept_snapshot_whose_mark_stands_is_not_read_again(redis_url: str) -> None:
     async def body(store: CountingStore, other: CountingStore) -> list[int]:
         ent, quiet = limits("e"), limits("quiet")

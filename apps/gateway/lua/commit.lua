@@ -11,18 +11,25 @@
 --       input tokens, max tokens, evictable (1/0), evict (1/0), bucket capacity, bucket rate, pool capacity,
 --       KV capacity, saturation, wait timeout, max evictions, lease seconds, the kept snapshot's fingerprint
 --       ('' = decided on READ's), its change mark ('' = none), reservation signature, the entitlement's queue limits ("concurrency
---       burst_concurrency kv_bytes burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), then the
---       reservations as pairs (only read when the signature changed, or to check a kept snapshot).
+--       burst_concurrency kv_bytes burst_kv_bytes may_burst queue_wait_s", -1 when unlimited), whether to answer
+--       with the entitlement's snapshot after it ('1': another offer of it waits in the caller's process, and
+--       decides on that; '' otherwise: computing it is work no one waits for), then the reservations as pairs
+--       (only read when the signature changed, or to check a kept snapshot).
 -- A kept snapshot whose change mark still stands is not read again: no write since means READ would give the
 -- same (machine.lua's `new_mark`); only the bucket and the duplicate flag are checked.
--- Reply: {1, state, started, evicted, in flight, bucket level, 1 if the mark confirmed a kept snapshot else 0},
--- or {0} / {0, READ's snapshot now}.
+-- Reply: {1, state, started, evicted, in flight, bucket level, 1 if the mark confirmed a kept snapshot else 0,
+-- the entitlement's snapshot after it when asked ('' otherwise)}, or {0} / {0, READ's snapshot now}.
 local now = clock(ARGV[1])
 local pool = load(POOL)
+-- The entitlement's snapshot after this commit, for the caller's next offer of it (asked for), as RELEASE gives it.
+local function after(ent, at)
+  if ARGV[25] ~= '1' then return '' end
+  return table.concat((snapshot(ent, nil, nil, '', redis.call('HGETALL', RES), at)), ' ')
+end
 -- The reservations as given, read only when needed (a kept snapshot to check, or a new signature).
 local function given_pairs()
   local given = {}
-  for i = 25, #ARGV do table.insert(given, ARGV[i]) end
+  for i = 26, #ARGV do table.insert(given, ARGV[i]) end
   return given
 end
 local shortcut = 0
@@ -74,7 +81,7 @@ if ARGV[5] == 'queued' then
   redis.call('ZADD', WAIT_T, fmt(r.dl), r.wm)
   took_room(pool)
   save()
-  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), shortcut}
+  return {1, 'waiting', {}, {}, e.in_flight, fmt(bucket_level(e, now)), shortcut, after(r.ent, now)}
 end
 charge(e, r, now)
 if ARGV[5] == 'running' then
@@ -98,4 +105,4 @@ publish('e', evicted)
 local others = {}
 for _, other in ipairs(started) do if other ~= id then table.insert(others, other) end end
 publish('s', others)
-return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), shortcut}
+return {1, state, started, evicted, e.in_flight, fmt(bucket_level(e, now)), shortcut, after(r.ent, now)}
