@@ -14,7 +14,8 @@ import pytest
 
 from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint
 from apps.gateway.redis_state import RedisStateStore
-from apps.policy import AdmissionRequest
+from apps.gateway.snapshot import PoolInfo
+from apps.policy import AdmissionRequest, EntitlementLimits
 from tests.gateway.test_redis_state import limits, pool, request
 from tests.gateway.test_redis_state import with_stores as with_stores_of
 
@@ -39,6 +40,14 @@ class CountingStore(RedisStateStore):
 
 def with_stores(redis_url: str, count: int, body: Any) -> Any:
     return with_stores_of(redis_url, count, body, store_class=CountingStore)
+
+
+async def served_once(store: CountingStore, ent: EntitlementLimits, p: PoolInfo) -> None:
+    """The pool synced, one request of `ent` offered and released: the store keeps the snapshot after it."""
+    await store.sync_pool(pool=p)
+    offer = await store.offer(limits=ent, pool=p, request=request())
+    assert offer.reservation is not None
+    await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=10)
 
 
 def test_an_offer_after_a_reply_about_its_entitlement_is_one_call(redis_url: str) -> None:
@@ -92,10 +101,7 @@ def test_an_offer_waiting_for_the_pool_s_lock_decides_on_the_snapshot_after_the_
     async def body(store: CountingStore) -> tuple[Counter[str], list[int]]:
         ent = limits("e", concurrency=10)
         p = pool("p", 100, ent)
-        await store.sync_pool(pool=p)
-        first = await store.offer(limits=ent, pool=p, request=request())
-        assert first.reservation is not None
-        await store.release(reservation=first.reservation, prompt_tokens=5, completion_tokens=10)
+        await served_once(store, ent, p)
         store.calls.clear()
         store.shortcuts.clear()
         offers = await asyncio.gather(*(store.offer(limits=ent, pool=p, request=request()) for _ in range(4)))
@@ -137,10 +143,7 @@ def test_a_mark_is_new_after_the_pool_s_keys_are_lost(redis_url: str) -> None:
     async def body(store: CountingStore, other: CountingStore) -> tuple[str, str, list[int]]:
         ent = limits("e", concurrency=1)
         p = pool("p", 100, ent)
-        await store.sync_pool(pool=p)
-        offer = await store.offer(limits=ent, pool=p, request=request())
-        assert offer.reservation is not None
-        await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=10)
+        await served_once(store, ent, p)
         kept = store._kept.get("p", "e")
         assert kept is not None
         base = store._base("p")
