@@ -24,7 +24,7 @@ local pool = load(POOL)
 -- The entitlement's snapshot after this commit, for the caller's next offer of it (asked for), as RELEASE gives it.
 local function after(ent, at)
   if ARGV[25] ~= '1' then return '' end
-  return table.concat((snapshot(ent, nil, nil, '', redis.call('HGETALL', RES), at)), ' ')
+  return snapshot_after(ent, at)
 end
 -- The reservations as given, read only when needed (a kept snapshot to check, or a new signature).
 local function given_pairs()

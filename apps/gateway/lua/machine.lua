@@ -608,6 +608,12 @@ local function snapshot(id, capacity, rate, request_id, reserved, now)
           redis.call('GET', MARK) or ''}, level
 end
 
+-- The entitlement's snapshot after a transition, as one string (RELEASE's reply, and COMMIT's when asked): the
+-- bucket keeps the limits it was last given, the reservations are the pool's stored ones.
+local function snapshot_after(id, now)
+  return table.concat((snapshot(id, nil, nil, '', redis.call('HGETALL', RES), now)), ' ')
+end
+
 -- What a decision taken on a snapshot depends on, but for the bucket's level, which only rises with time (a
 -- charge moves the levels beside it), the oldest start (read for refusals only), the duplicate flag and the
 -- change mark: apps.gateway.redis_snapshot.fingerprint writes the same from READ's reply.

@@ -55,5 +55,4 @@ started = drain(pool, now)
 if #started > 0 then took_room(pool) end
 save()
 publish('s', started)
-local after = snapshot(r.ent, nil, nil, '', redis.call('HGETALL', RES), now)
-return {outcome, started, fmt(refund), recorded, table.concat(after, ' ')}
+return {outcome, started, fmt(refund), recorded, snapshot_after(r.ent, now)}
