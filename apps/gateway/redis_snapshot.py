@@ -8,9 +8,13 @@ entitlement in this process decides on it and sends COMMIT alone, with the snaps
 applies the decision only if READ would give the same fingerprint now and the bucket still holds the charge,
 and otherwise answers with READ's snapshot, on which the caller decides again (two calls, as before). While
 the pool's change mark the snapshot carries still stands (nothing written to the pool since), COMMIT does not
-read the snapshot again: only the bucket and the duplicate flag can differ then. The
-decision stands on nothing READ would have shown differently, so the machine's outcomes are unchanged
-(`make conformance` runs the same scenarios either way). Only a start is decided this way: a refusal or a
+read the snapshot again: only the bucket and the duplicate flag can differ then. When the mark has moved, a
+start that borrows nothing still stands if `admit` would take the same decision on the pool as it is now
+(commit.lua's `still_admitted`, given `standing_args`): so offers of one process that start on one kept
+snapshot need not wait for each other's replies, and a start decided on READ's snapshot is checked the same
+way. The decision stands on nothing READ would have shown differently, so the machine's outcomes are unchanged
+(`make conformance` runs the same scenarios either way; tests/gateway/test_redis_still_admitted.py checks every
+such COMMIT against `admit`). Only a start is decided this way: a refusal or a
 wait decided on a kept snapshot is decided again on READ's, since room freed meanwhile (which moves the
 fingerprint but may not have reached this process) could change it.
 """
@@ -21,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from apps.gateway.snapshot import PoolInfo
-from apps.policy import EntitlementLimits, EntitlementUsage, PoolUsage
+from apps.policy import AdmissionDecision, EntitlementLimits, EntitlementUsage, PoolUsage
 from apps.policy.admission import budget_bound, dispatch_capacity
 
 # The fields a fingerprint leaves out (0-based): the bucket's level (it only rises with time; COMMIT checks the
@@ -78,6 +82,16 @@ def read_snapshot(fields: list[str], limits: EntitlementLimits, pool: PoolInfo, 
     )
     return Snapshot(usage, pool_usage, fields[15], int(_float(fields[16])),
                     float(fields[17]) if fields[17] != "" else None, fields[19] == "1")
+
+
+def standing_args(limits: EntitlementLimits, decision: AdmissionDecision, fields: list[str]) -> str:
+    """COMMIT's argument for `still_admitted` (commit.lua) of a start decided on `fields`: their debt ('-' for a
+    class whose priority has none) and burst and whether the class is reserved, when the start borrows nothing;
+    '' otherwise (the fingerprint decides)."""
+    if not decision.admitted or decision.borrowed:
+        return ""
+    traits = limits.traits
+    return f"{fields[5] if traits.accrues_debt else '-'} {fields[6]} {'1' if traits.reserved else '0'}"
 
 
 def fingerprint(fields: list[str]) -> str:

@@ -39,7 +39,7 @@ from redis.exceptions import MaxConnectionsError, ReadOnlyError, RedisError, Res
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from apps.gateway import redis_cluster
-from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint, read_snapshot
+from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint, read_snapshot, standing_args
 from apps.gateway.resp import MultiplexedRedis
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
@@ -349,7 +349,8 @@ class RedisStateStore(GatewayStateStore):
 
     async def _offer_settling(self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest,
                               saturation: float, quota: QuotaClaim | None, demote: bool = False) -> Offer:
-        """The offer, one at a time per pool in this process; a failure gives the quota's reservation back."""
+        """The offer, one at a time per pool in this process, but for a start on a kept snapshot, which waits for
+        no other offer (COMMIT's `still_admitted` keeps it exact); a failure gives the quota's reservation back."""
         lock = self._pool_locks.get(pool.name)
         if lock is None:
             lock = self._pool_locks[pool.name] = asyncio.Lock()
@@ -357,6 +358,14 @@ class RedisStateStore(GatewayStateStore):
         # after it, on which the next decides (one call), where the one kept from before it is out of date.
         waiting = (pool.name, limits.entitlement_id)
         try:
+            fresh = None
+            if not demote:
+                tried = await self._offer(limits, pool, request, saturation, kept_only=True)
+                if isinstance(tried, Offer):
+                    return tried
+                fresh = tried
+            if lock.locked():  # READ's snapshot from before the wait would be out of date after it
+                fresh = None
             self._offers_waiting[waiting] = self._offers_waiting.get(waiting, 0) + 1
             try:
                 await lock.acquire()
@@ -365,7 +374,9 @@ class RedisStateStore(GatewayStateStore):
                 if not self._offers_waiting[waiting]:
                     del self._offers_waiting[waiting]
             try:
-                return await self._offer(limits, pool, request, saturation, demote)
+                offer = await self._offer(limits, pool, request, saturation, demote, fresh=fresh)
+                assert isinstance(offer, Offer)  # (without kept_only, every path answers)
+                return offer
             finally:
                 lock.release()
         except BaseException:
@@ -438,8 +449,10 @@ class RedisStateStore(GatewayStateStore):
 
     async def _offer(
         self, limits: EntitlementLimits, pool: PoolInfo, request: AdmissionRequest, saturation: float,
-        demote: bool = False,
-    ) -> Offer:
+        demote: bool = False, kept_only: bool = False, fresh: list[str] | None = None,
+    ) -> Offer | list[str] | None:
+        """The offer, decided on `fresh` (READ's snapshot) when given. With `kept_only`, only a start on the kept
+        snapshot: where that is not one, None, or READ's snapshot when COMMIT found the kept one out of date."""
         signature, pairs = _reserved_args(pool)
         owner = limits
         # A start may be decided on the snapshot this process kept from its last reply for the entitlement, and
@@ -447,8 +460,9 @@ class RedisStateStore(GatewayStateStore):
         releasing = None if demote else self._releasing.get((pool.name, owner.entitlement_id))
         if releasing:  # the snapshot its reply brings, not the one kept from before it
             await asyncio.wait(list(releasing))
-        kept = None if demote else self._kept.get(pool.name, owner.entitlement_id)
-        fresh: list[str] | None = None  # READ's snapshot, as a failed COMMIT of a kept one brings it
+        kept = None if demote or fresh is not None else self._kept.get(pool.name, owner.entitlement_id)
+        if kept_only and kept is None:
+            return None
         attempt = 0
         while attempt < MAX_ATTEMPTS:
             limits = owner
@@ -472,6 +486,8 @@ class RedisStateStore(GatewayStateStore):
                 # Not a start on its own limits (a request behind others in its queue would join them): decided
                 # again on READ's snapshot. What passes here starts (`own_limits_decision` leaves an admitted
                 # decision with an empty queue as it is).
+                if kept_only:
+                    return None
                 kept = None
                 continue
             if tier is not None:
@@ -493,6 +509,10 @@ class RedisStateStore(GatewayStateStore):
                 partial(offered_priority, limits, request, pool.mean_slo_ms, usage.burst, usage.debt, self.config))
             if route == ENQUEUE:
                 mode = QUEUED
+            # A start on its own limits is checked by its snapshot (`still_admitted`, else the fingerprint), whether
+            # kept or READ's: an offer of this process that started meanwhile does not turn it down.
+            checked = print_ or (fingerprint(fields) if decision.admitted and limits is owner and not queue_length
+                                 else "")
             if not decision.admitted and not decision.queued:
                 if decision.reason in CAPACITY_REASONS:
                     await self._call("refuse", [self._base(pool.name)],
@@ -506,9 +526,10 @@ class RedisStateStore(GatewayStateStore):
                  mode, repr(decision.priority), decision.token_cost,
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
-                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), print_,
-                 fields[MARK] if print_ else "", signature, self._queue_arg(limits),
-                 "1" if self._offers_waiting.get((pool.name, owner.entitlement_id)) else "", *pairs],
+                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), checked,
+                 fields[MARK] if checked else "", signature, self._queue_arg(limits),
+                 "1" if self._offers_waiting.get((pool.name, owner.entitlement_id)) else "",
+                 standing_args(limits, decision, fields) if checked else "", *pairs],
             )
             if int(raw[0]) == 1:
                 if limits is owner:  # the snapshot after it, when asked for: the waiting offer decides on it
@@ -517,8 +538,13 @@ class RedisStateStore(GatewayStateStore):
                 if limits is not owner:  # spilled over: the headers speak of the entitlement's own limits
                     offer = replace(offer, view=rate_view(owner, usage.in_flight, usage.tokens_available))
                 return offer
-            if print_:  # the kept snapshot was out of date: decide again on READ's, which the reply brings
+            if checked:  # the snapshot was out of date: decide again on READ's, which the reply brings
+                self._kept.keep(pool.name, owner.entitlement_id, str(raw[1]))
                 kept, fresh = None, str(raw[1]).split(" ")
+                if kept_only:
+                    return fresh
+                if not print_:  # READ's own was out of date already: a try, as below but with no wait
+                    attempt += 1
                 continue
             # Another process took room in between: decide again on fresh state, after a jittered wait that
             # doubles with each try, so two processes admitting in step do not keep colliding.

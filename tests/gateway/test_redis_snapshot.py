@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from apps.gateway.memory_state import MemoryStateStore
 from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint
 from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.snapshot import PoolInfo
@@ -94,10 +95,10 @@ def test_an_offer_right_after_a_begun_release_decides_on_that_release_s_snapshot
     assert with_stores(redis_url, 1, body) == [Counter(commit=1)] * 3
 
 
-def test_an_offer_waiting_for_the_pool_s_lock_decides_on_the_snapshot_after_the_one_before(redis_url: str) -> None:
-    """Offers of one process go one at a time per pool; when another of its entitlement waits, COMMIT answers
-    with the snapshot after it, and the next decides on that: one call each, where the snapshot kept from
-    before would be out of date (a second call)."""
+def test_concurrent_starts_on_a_kept_snapshot_wait_for_no_one(redis_url: str) -> None:
+    """Offers of one process that start on the snapshot it kept do not wait for each other's replies: each sends
+    its COMMIT at once, and COMMIT confirms the start where `admit` would take it now (`still_admitted`), though
+    the others' starts moved the snapshot: one call each."""
     async def body(store: CountingStore) -> tuple[Counter[str], list[int]]:
         ent = limits("e", concurrency=10)
         p = pool("p", 100, ent)
@@ -109,10 +110,36 @@ def test_an_offer_waiting_for_the_pool_s_lock_decides_on_the_snapshot_after_the_
         return Counter(store.calls), store.shortcuts
 
     calls, shortcuts = with_stores(redis_url, 1, body)
-    # The first sent its COMMIT before the others came to wait: the second found the kept snapshot out of date
-    # (a second call, its fingerprint checked). Each later one asked for the snapshot after it: one call each.
-    assert calls == Counter(commit=5), calls
-    assert shortcuts == [1, 0, 1, 1], shortcuts
+    # The first found the kept snapshot's mark standing; the others' marks had moved, their starts still stood.
+    assert calls == Counter(commit=4), calls
+    assert shortcuts == [1, 2, 2, 2], shortcuts
+
+
+def test_concurrent_starts_on_a_kept_snapshot_stop_at_the_limit_as_the_ledger_does(redis_url: str) -> None:
+    """Six concurrent offers decided on one kept snapshot with room for all, against a concurrency of 3: the
+    fourth's start no longer stands when it reaches Redis, and it is decided again on READ's snapshot. The
+    outcomes are the in-process store's for the same offers."""
+    def outcome(offers: list[Any]) -> list[tuple[str, str]]:
+        return sorted((offer.state, offer.decision.reason) for offer in offers)
+
+    ent = limits("e", concurrency=3)  # guaranteed: no burst beyond it
+    p = pool("p", 100, ent)
+
+    async def body(store: CountingStore) -> tuple[list[tuple[str, str]], list[int]]:
+        await served_once(store, ent, p)
+        store.shortcuts.clear()
+        offers = await asyncio.gather(*(store.offer(limits=ent, pool=p, request=request()) for _ in range(6)))
+        return outcome(offers), store.shortcuts
+
+    async def in_process() -> list[tuple[str, str]]:
+        store = MemoryStateStore()
+        await served_once(store, ent, p)  # type: ignore[arg-type]
+        return outcome([await store.offer(limits=ent, pool=p, request=request()) for _ in range(6)])
+
+    on_redis, shortcuts = with_stores(redis_url, 1, body)
+    assert on_redis == asyncio.run(in_process())
+    assert sorted(state for state, _ in on_redis) == ["rejected"] * 3 + ["running"] * 3
+    assert shortcuts == [1, 2, 2], shortcuts
 
 
 def test_a_kept_snapshot_whose_mark_stands_is_not_read_again(redis_url: str) -> None:
@@ -124,8 +151,8 @@ def test_a_kept_snapshot_whose_mark_stands_is_not_read_again(redis_url: str) -> 
             offer = await store.offer(limits=ent, pool=p, request=request())
             assert offer.reservation is not None
             await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=10)
-        # Another process writes to the pool (another entitlement's request): the mark moves, so the next
-        # kept snapshot is checked by its fingerprint (which still matches: nothing this entitlement sees).
+        # Another process writes to the pool (another entitlement's request): the mark moves, so the next start
+        # on the kept snapshot stands by what `admit` would decide now (`still_admitted`), not by the mark.
         held = await other.offer(limits=quiet, pool=p, request=request())
         assert held.reservation is not None
         await other.release(reservation=held.reservation, prompt_tokens=5, completion_tokens=10)
@@ -133,8 +160,8 @@ def test_a_kept_snapshot_whose_mark_stands_is_not_read_again(redis_url: str) -> 
         assert offer.state == "running"
         return store.shortcuts
 
-    # READ's snapshot first (COMMIT by the pool's version), then the mark from each RELEASE's reply stands.
-    assert with_stores(redis_url, 2, body) == [0, 1, 1, 0]
+    # READ's snapshot first, then the one from each RELEASE's reply: the mark each carries stands.
+    assert with_stores(redis_url, 2, body) == [1, 1, 1, 2]
 
 
 def test_a_mark_is_new_after_the_pool_s_keys_are_lost(redis_url: str) -> None:
@@ -162,7 +189,7 @@ def test_a_mark_is_new_after_the_pool_s_keys_are_lost(redis_url: str) -> None:
 
     kept_mark, mark_now, shortcuts = with_stores(redis_url, 2, body)
     assert kept_mark and mark_now and kept_mark != mark_now
-    assert shortcuts == [0]
+    assert shortcuts == [1]  # the first start, on READ's snapshot; the late offer started nothing
 
 
 def test_room_another_process_took_meanwhile_is_seen(redis_url: str) -> None:
