@@ -47,8 +47,6 @@ PUSH_S = 1.0
 # Records written to the database per batch, and batches per flush (the rest waits for the next flush).
 BATCH = 2_000
 BATCHES_PER_FLUSH = 50
-# Rows built and written per step of a database write, the event loop let in between (`request_log_write`).
-ROWS_PER_STEP = 64
 # How long a flush may hold the drain lock before another process may take over.
 DRAIN_LEASE_MS = 60_000
 
@@ -238,20 +236,17 @@ def request_log_write(entries: list[Entry]) -> int:
     utc = dt.UTC
     sql = (f"INSERT INTO {quote(RequestLogRecord._meta.db_table)} ({', '.join(quote(c) for c in _COLUMNS)}) "
            f"VALUES ({', '.join(['%s'] * len(_COLUMNS))}) ON CONFLICT ({quote('request_id')}) DO NOTHING")
+    rows = [
+        # Naive UTC (what the database connection's time zone is): the adapter skips its conversion.
+        (e.request_id, adapt(dt.datetime.fromtimestamp(round(e.arrived, 3), tz=utc).replace(tzinfo=None)), e.tenant_id, e.pool,
+         e.entitlement, e.service_class, e.service_tier, e.stream, max(0, e.prompt_tokens), e.max_tokens,
+         max(0, e.completion_tokens), e.outcome, e.reason[:64], round(e.queue_ms, 3),
+         None if e.ttft_ms is None else round(e.ttft_ms, 3), round(e.duration_ms, 3))
+        for e in entries
+    ]
     with transaction.atomic(), connection.cursor() as cursor:
-        for first in range(0, len(entries), ROWS_PER_STEP):
-            cursor.executemany(sql, [
-                # Naive UTC (what the database connection's time zone is): the adapter skips its conversion.
-                (e.request_id, adapt(dt.datetime.fromtimestamp(round(e.arrived, 3), tz=utc).replace(tzinfo=None)),
-                 e.tenant_id, e.pool, e.entitlement, e.service_class, e.service_tier, e.stream,
-                 max(0, e.prompt_tokens), e.max_tokens, max(0, e.completion_tokens), e.outcome, e.reason[:64],
-                 round(e.queue_ms, 3), None if e.ttft_ms is None else round(e.ttft_ms, 3), round(e.duration_ms, 3))
-                for e in entries[first:first + ROWS_PER_STEP]
-            ])
-            # The interpreter's lock back to the event loop between steps, at once (the switch interval would
-            # let this thread keep it up to 1 ms each time the loop asks: a request's every step waits).
-            time.sleep(0)
-    return len(entries)
+        cursor.executemany(sql, rows)
+    return len(rows)
 
 
 def request_log_prune(*, days: int, now: dt.datetime | None = None) -> int:
