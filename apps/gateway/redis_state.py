@@ -359,7 +359,9 @@ class RedisStateStore(GatewayStateStore):
         waiting = (pool.name, limits.entitlement_id)
         try:
             fresh = None
-            if not demote:
+            # While another offer holds the lock (a decision checked by the pool's version: a wait, a refusal),
+            # starts wait their turn too: theirs would move that version under it, and turn its COMMIT down.
+            if not demote and not lock.locked():
                 tried = await self._offer(limits, pool, request, saturation, kept_only=True)
                 if isinstance(tried, Offer):
                     return tried
