@@ -359,9 +359,7 @@ class RedisStateStore(GatewayStateStore):
         waiting = (pool.name, limits.entitlement_id)
         try:
             fresh = None
-            # While another offer holds the lock (a decision checked by the pool's version: a wait, a refusal),
-            # starts wait their turn too: theirs would move that version under it, and turn its COMMIT down.
-            if not demote and not lock.locked():
+            if not demote:
                 tried = await self._offer(limits, pool, request, saturation, kept_only=True)
                 if isinstance(tried, Offer):
                     return tried
