@@ -193,7 +193,7 @@ class RequestLog:
                 raw = await self.redis.lrange(self.list_key, 0, BATCH - 1)
                 if not raw:
                     break
-                written += await asyncio.to_thread(_write_in_thread, raw)  # decoded there too (`push`)
+                written += await asyncio.to_thread(_write_encoded_in_thread, raw)  # decoded there (`push`)
                 if not await self.redis.eval(_TRIM, 2, self.list_key, self.lock_key, token, len(raw),
                                              DRAIN_LEASE_MS):
                     break  # the lock ran out and another flush took over: it trims what it writes
@@ -213,12 +213,16 @@ def _encoded(entries: list[Entry]) -> list[str]:
     return [json.dumps(entry) for entry in entries]
 
 
-def _write_in_thread(entries: list[Entry] | list[str]) -> int:
-    """Records to the database, from a worker thread; given as the Redis list holds them, decoded here."""
+def _write_in_thread(entries: list[Entry]) -> int:
     from django.db import close_old_connections
 
     close_old_connections()  # a worker thread's connection the database may have closed meanwhile
-    return request_log_write([Entry(*json.loads(e)) if isinstance(e, str) else e for e in entries])
+    return request_log_write(entries)
+
+
+def _write_encoded_in_thread(encoded: list[str]) -> int:
+    """Records as the Redis list holds them (`_encoded`) to the database, decoded in the worker thread."""
+    return _write_in_thread([Entry(*json.loads(item)) for item in encoded])
 
 
 def request_log_write(entries: list[Entry]) -> int:

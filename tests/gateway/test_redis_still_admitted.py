@@ -25,9 +25,8 @@ from apps.policy.clock import ManualClock
 
 pytestmark = pytest.mark.redis
 
-# COMMIT's arguments after the keys (0-based): priority, token cost, KV bytes, the checked fingerprint, the
-# `still_admitted` argument.
-PRIORITY, COST, KV, CHECKED, STANDING = 5, 6, 7, 20, 25
+# COMMIT's arguments after the keys (0-based): priority, token cost, KV bytes, the `still_admitted` argument.
+PRIORITY, COST, KV, STANDING = 5, 6, 7, 25
 
 
 class CheckedStore(RedisStateStore):

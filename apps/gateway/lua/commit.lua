@@ -40,6 +40,8 @@ local function given_pairs()
   return given
 end
 local shortcut = 0
+-- The entitlement's limits as its queue goes by them (also what `still_admitted` checks).
+local conc, bconc, kvl, bkvl, mb, qwait = string.match(ARGV[24], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
 -- Whether `admit` (apps/policy/admission.py) takes now the decision the caller took on its snapshot: a start
 -- within the entitlement's own limits that borrows nothing. Its path to that decision, written out: the same
 -- debt (where the class has one) and burst (the priority), no queue (the request would join it), the request
@@ -53,13 +55,11 @@ local function still_admitted(p, pairs_of)
   bucket_limits(e, tonumber(ARGV[13]), tonumber(ARGV[14]), now)
   local debt, burst, reserved = string.match(ARGV[26], '^(%S+) (%S+) (%S+)$')
   if (debt ~= '-' and fmt(e.debt) ~= debt) or fmt(e.burst) ~= burst or field(e, 'qlen') ~= 0 then return false end
-  local held = request(ARGV[3])
-  if held ~= nil and held.state ~= 'evicted' then return false end
-  local conc, _, kvl = string.match(ARGV[24], '^(%S+) (%S+) (%S+) ')
-  conc, kvl = tonumber(conc), tonumber(kvl)
+  if in_flight_already(ARGV[3]) then return false end
+  local concurrency, kv_limit = tonumber(conc), tonumber(kvl)
   local cost, kv = tonumber(ARGV[7]), tonumber(ARGV[8])
-  if (conc >= 0 and e.in_flight >= conc) or bucket_level(e, now) < cost then return false end
-  if kvl >= 0 and kv > 0 and e.kv_in_flight + kv > kvl then return false end
+  if (concurrency >= 0 and e.in_flight >= concurrency) or bucket_level(e, now) < cost then return false end
+  if kv_limit >= 0 and kv > 0 and e.kv_in_flight + kv > kv_limit then return false end
   local cap = tonumber(ARGV[15])
   if p.budget ~= nil and p.budget >= 0 and p.budget < cap then cap = p.budget end
   local slots = cap - field(p, 'running')
@@ -68,8 +68,8 @@ local function still_admitted(p, pairs_of)
   if ARGV[11] ~= '1' then
     local own_slots, own_kv = 0, 0
     if reserved == '1' then
-      if conc >= 0 and e.running < conc then own_slots = conc - e.running end
-      if kvl >= 0 and e.kv_running < kvl then own_kv = kvl - e.kv_running end
+      if concurrency >= 0 and e.running < concurrency then own_slots = concurrency - e.running end
+      if kv_limit >= 0 and e.kv_running < kv_limit then own_kv = kv_limit - e.kv_running end
     end
     local idle_slots, idle_kv = idle_reservations(pairs_of(), '')
     local reach_slots, reach_kv = slots + field(p, 'ev_n'), free_kv + field(p, 'ev_kv')
@@ -88,8 +88,7 @@ if ARGV[21] ~= '' and ARGV[22] ~= '' and redis.call('GET', MARK) == ARGV[22] and
   -- give it again, but for what changes without a write (the bucket's level) and the duplicate flag.
   local e = entitlement(ARGV[4], now)
   bucket_limits(e, tonumber(ARGV[13]), tonumber(ARGV[14]), now)
-  local held = request(ARGV[3])
-  if (held ~= nil and held.state ~= 'evicted') or bucket_level(e, now) < tonumber(ARGV[7]) then
+  if in_flight_already(ARGV[3]) or bucket_level(e, now) < tonumber(ARGV[7]) then
     local fields = snapshot(ARGV[4], tonumber(ARGV[13]), tonumber(ARGV[14]), ARGV[3], given_pairs(), now)
     return {0, table.concat(fields, ' ')}
   end
@@ -111,7 +110,6 @@ pool.res_sig = tonumber(ARGV[23])
 local id = ARGV[3]
 local e = entitlement(ARGV[4], now)
 bucket_limits(e, tonumber(ARGV[13]), tonumber(ARGV[14]), now)
-local conc, bconc, kvl, bkvl, mb, qwait = string.match(ARGV[24], '^(%S+) (%S+) (%S+) (%S+) (%S+) (%S+)$')
 e.conc, e.bconc, e.kvl, e.bkvl, e.mb, e.bound = tonumber(conc), tonumber(bconc), num(kvl), num(bkvl), tonumber(mb), 1
 pool.seq = pool.seq + 1
 local r = load(req_key(id))

@@ -383,6 +383,13 @@ local function request(id)
   return r
 end
 
+-- Whether request `id` is in flight already (an evicted one's record only waits for its late release): an offer
+-- of that id is a duplicate.
+local function in_flight_already(id)
+  local held = id ~= '' and request(id) or nil
+  return held ~= nil and held.state ~= 'evicted'
+end
+
 -- The slots requests may run in: the capacity, or the dispatch budget when it is lower (AdmissionLedger.dispatch_capacity).
 local function dispatch_cap(pool)
   local budget = pool.budget
@@ -597,9 +604,7 @@ local function snapshot(id, capacity, rate, request_id, reserved, now)
   if (limit(e, 'conc') >= 0 and e.in_flight >= e.conc) or (limit(e, 'kvl') >= 0 and e.kv_in_flight > 0) then
     oldest = redis.call('ZRANGE', run_key(id), 0, 0, 'WITHSCORES')
   end
-  -- An evicted request's record waits for its late release: it is no longer in flight.
-  local held = request_id ~= '' and request(request_id) or nil
-  local duplicate = (held ~= nil and held.state ~= 'evicted') and '1' or '0'
+  local duplicate = in_flight_already(request_id) and '1' or '0'
   return {fmt(e.in_flight), fmt(e.kv_in_flight), fmt(e.running), fmt(e.kv_running), fmt(level),
           fmt(e.debt), fmt(e.burst), fmt(field(pool, 'running')), fmt(field(pool, 'kv')),
           fmt(idle_slots), fmt(idle_kv), low[2] or '', low_evict[2] or '', fmt(field(pool, 'ev_n')),
