@@ -3,13 +3,14 @@ through LiteLLM's proxy, measured with wrk in one run.
 
     python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
                             [--request-log on|off|both] [--stores memory redis] [--redis-core 1 0 any]
-                            [--redis-socket tcp unix] [--neighbours paused|running]
+                            [--redis-socket tcp unix] [--neighbours paused|running] [--ticks own-process|gateway]
                             [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
 wrk share core 1 (until 2026-11-27 Redis was left unpinned, wherever the scheduler put it), so "requests/s" is
-per gateway process on one core. Gateways measured side by side (a baseline commit, extra entitlements, several
+per gateway process on one core. With the Redis store the periodic ticks run in a `run_ticks` process on core 1
+too, as a Celery worker runs them beside a deployment's gateways (`--ticks gateway`: in the gateway's process). Gateways measured side by side (a baseline commit, extra entitlements, several
 places for Redis) take turns; the others are stopped meanwhile (`--neighbours paused`).
 
 Two kinds of measurement per target:
@@ -53,7 +54,7 @@ from bench.otlp_sink import OtlpSink
 from bench.results import machine_description, save_rows, write_section
 from tests.support.manifests import documents, entitlement, tiny_pool
 from tests.support.services import free_port, running_redis, stop_process_group, wait_for_port
-from tests.support.site import PreparedSite, prepare_site, serving
+from tests.support.site import PreparedSite, prepare_site, running_ticks, serving
 
 REPO = Path(__file__).resolve().parents[1]
 LITELLM = REPO / "var" / "litellm-venv" / "bin" / "litellm"
@@ -220,8 +221,11 @@ def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: a
             targets: list[tuple[str, str, str]] = []
             for suffix, site, site_env in sites:
                 traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
-                for placement, redis_env in _redis_placements(store, args, workdir, stack):
+                for index, (placement, redis_env) in enumerate(_redis_placements(store, args, workdir, stack)):
                     env = {**site_env, **redis_env}
+                    if store == "redis" and args.ticks == "own-process":
+                        stack.enter_context(running_ticks(site, env=env, cpu_core=LOADGEN_CORE,
+                                                          log_name=f"ticks-{site.repo.name}-{index}.log"))
                     for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
                         name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
                         name += f"-{site.env['DATABASE_URL'].rsplit('/', 1)[-1]}{placement.replace(' ', '-')}"
@@ -251,10 +255,12 @@ def _redis_placements(store: str, args: argparse.Namespace, workdir: Path,
         unix = ("--unixsocket", str(socket_path), "--unixsocketperm", "700") if socket == "unix" else ()
         redis_url = stack.enter_context(running_redis(*unix))
         pin_redis(redis_url, cores)
-        # The periodic ticks (the debt and burst EWMA among them) run in the gateway as with the in-process
-        # store: a Redis URL alone would hand them to a Celery worker this benchmark does not start, and the
-        # figures would leave out what the ticks cost Redis and the gateway.
-        env = {"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis", "TOKENPOOLS_TICKS": "in-process"}
+        # The periodic ticks (the debt and burst EWMA, the request log's drain, ...): with `--ticks own-process`
+        # (the default) in a `run_ticks` process on the load generator's core, as a deployment on Redis runs them
+        # in a Celery worker beside its gateways (the gateway keeps its server-only ones); with `--ticks gateway`
+        # in the gateway's own process, as with the in-process store. Either way they cost Redis what they cost.
+        ticks = "celery" if args.ticks == "own-process" else "in-process"
+        env = {"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis", "TOKENPOOLS_TICKS": ticks}
         if socket == "unix":  # the gateway's state only: the rest keeps REDIS_URL
             env["GATEWAY_REDIS_URL"] = f"unix://{socket_path}"
         label = f" [Redis on {'any core' if cores == 'any' else 'core ' + cores}, {socket}]" if len(places) > 1 else ""
@@ -623,6 +629,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--neighbours", choices=["paused", "running"], default="paused",
                         help="side by side: the gateways not being measured are stopped (SIGSTOP) meanwhile, or left "
                              "running their periodic work on the same core")
+    parser.add_argument("--ticks", choices=["own-process", "gateway"], default="own-process",
+                        help="with the Redis store, where the periodic ticks run: a run_ticks process on the load "
+                             "generator's core (as Celery runs them beside a deployment's gateways), or the "
+                             "gateway's own process (as until 2026-11-27)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--extra-entitlements", type=int, default=0, metavar="N",

@@ -53,6 +53,8 @@ DEFAULT_TICKS: tuple[TickSpec, ...] = (
     TickSpec("usage_rollup", 300.0, "workers.services:tick_usage_rollup", "per-minute usage rolled up hourly"),
     TickSpec("request_log", 600.0, "workers.services:tick_request_log",
              "request log records older than GATEWAY_REQUEST_LOG_DAYS deleted"),
+    TickSpec("request_log_drain", 2.0, "apps.gateway.ticks:tick_request_log_drain",
+             "request log records the gateways pushed to Redis written to the database"),
     TickSpec("dashboard", 1.0, "apps.dashboard.telemetry:publish_tick",
              "one live-dashboard sample of every pool, to its websocket group"),
 )
@@ -233,7 +235,8 @@ class Ticker:
 # every GATEWAY_AIMD_TICK_S): alone, its own controller per pool; with Redis and no Celery, the pool's one
 # shared controller, run by one gateway process per period under a short lock. Celery beat and
 # `run_ticks` run the shared AIMD tick here (`tick_aimd`), which publishes the budget in the gateway's store.
-IN_PROCESS_TICKS = ("ewma", "scrape", "autoscale", "expiry", "usage_rollup", "request_log", "dashboard")
+IN_PROCESS_TICKS = ("ewma", "scrape", "autoscale", "expiry", "usage_rollup", "request_log", "request_log_drain",
+                    "dashboard")
 # Ticks that read what only a server process holds (its schedulers, counters and channel layer): they
 # run in every server process even when Celery runs the others, and never under Celery beat.
 SERVER_ONLY_TICKS = ("dashboard",)

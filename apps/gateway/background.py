@@ -103,10 +103,12 @@ class BackgroundLoops:
         self._every(config.health_interval_s, self.health_check, "gw-health")
         self._every(config.usage_flush_s, self.usage_flush, "gw-usage")
         log = gateway.request_log
-        if log is not None:
+        if log is not None and log.redis is not None:
+            # To the shared list every second (what a SIGKILL can lose); the `request_log_drain` tick writes the
+            # list to the database, off this event loop and, run by Celery or `run_ticks`, off this process.
+            self._every(REQUEST_LOG_PUSH_S, log.push, "gw-request-log-push")
+        elif log is not None:
             self._every(config.usage_flush_s, self.request_log_flush, "gw-request-log")
-            if log.redis is not None:  # to the shared list every second: what a SIGKILL can lose
-                self._every(REQUEST_LOG_PUSH_S, log.push, "gw-request-log-push")
         if gateway.peers.budgets_shared:
             self._every(TTFT_FLUSH_S, self.ttft_flush, "gw-ttft")
 

@@ -8,8 +8,9 @@ buffer (`RequestLog.record`, a few microseconds); what writes it to `RequestLogR
 - in-process store: the buffer goes to the database every `GATEWAY_USAGE_FLUSH_S` (one bulk INSERT in a
   worker thread). A process killed outright (SIGKILL) loses what it recorded since its last flush (at most
   `GATEWAY_USAGE_FLUSH_S`, default 2 s), as it loses that much usage.
-- Redis store: the buffer goes to a Redis list every `PUSH_S` (one RPUSH of the batch), and the flush drains
-  that list into the database, one process at a time (a lock in Redis), trimming the list only after the
+- Redis store: the buffer goes to a Redis list every `PUSH_S` (one RPUSH of the batch), and the
+  `request_log_drain` tick (Celery, `run_ticks`, or the embedded server's ticker: not the gateway's event loop)
+  drains that list into the database, one runner at a time (a lock in Redis), trimming the list only after the
   rows are written; a flush that dies midway leaves them in the list for the next one (rows are unique by
   request id: written twice is written once). A SIGKILL loses at most the last `PUSH_S` (1 s) of this
   process's records; what reached Redis is kept as Redis keeps its data.
@@ -173,7 +174,7 @@ class RequestLog:
         """Records to the database (with Redis: pushed, then the shared list drained); returns rows written."""
         if self.redis is not None:
             await self.push()
-            return await self._drain()
+            return await self.drain()
         if not self.buffer:
             return 0
         entries = self._take()
@@ -183,7 +184,9 @@ class RequestLog:
             self._put_back(entries)
             raise
 
-    async def _drain(self) -> int:
+    async def drain(self) -> int:
+        """With Redis: the shared list (every process's pushed records) to the database, in batches, by one
+        flush at a time (a lock in Redis); returns rows written (0 when another process drains now)."""
         token = uuid.uuid4().hex
         if not await self.redis.set(self.lock_key, token, nx=True, px=DRAIN_LEASE_MS):
             return 0  # another process drains now

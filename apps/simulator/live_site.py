@@ -77,11 +77,14 @@ def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: 
 
 
 @contextlib.contextmanager
-def running_ticks(site: PreparedSite, *, env: dict[str, str] | None = None,
-                  log_name: str = "ticks.log") -> Iterator[subprocess.Popen]:
+def running_ticks(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: str = "ticks.log",
+                  cpu_core: str | None = None) -> Iterator[subprocess.Popen]:
     """Run `manage.py run_ticks` for the prepared site: the periodic ticks (EWMA, AIMD, ...) that Celery beat
     runs in a deployment with a broker, where `serve` leaves them to it (a Redis URL is such a broker)."""
-    with _site_process(site, [sys.executable, "manage.py", "run_ticks"], env=env, log_name=log_name) as proc:
+    cmd = [sys.executable, "manage.py", "run_ticks"]
+    if cpu_core is not None:
+        cmd = ["taskset", "-c", cpu_core, *cmd]
+    with _site_process(site, cmd, env=env, log_name=log_name) as proc:
         yield proc
 
 

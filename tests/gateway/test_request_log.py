@@ -189,6 +189,28 @@ def test_records_pushed_to_redis_survive_their_process(kind: str, acme: Any, req
     assert (record.request_id, record.max_tokens, record.ttft_ms) == ("req_survivor", None, 12.5)
 
 
+def test_with_redis_the_drain_tick_writes_the_records_not_the_gateway(gateway_factory: Any, redis_url: str,
+                                                                     settings: Any) -> None:
+    """A gateway on Redis only pushes its records (its event loop never runs the batch INSERT); the
+    `request_log_drain` tick, run where the ticks run, writes them. With the in-process store it has nothing to do."""
+    import redis
+
+    from apps.gateway.ticks import tick_request_log_drain
+
+    h = gateway_factory(store=RedisStateStore(url=redis_url))  # the default prefix: the one the tick's store uses
+    redis.Redis.from_url(redis_url).delete(h.gateway.request_log.list_key)  # nothing another test left
+    assert all(r.status_code == 200 for r in fire(h, 3))
+    eventually(lambda: len(h.gateway.request_log.buffer) == 3)
+    assert h.server.call(h.gateway.request_log.push()) == 3
+    assert not RequestLogRecord.objects.exists()
+    settings.GATEWAY_STATE_BACKEND, settings.GATEWAY_REDIS_URL = "redis", redis_url
+    assert tick_request_log_drain() == 3
+    assert RequestLogRecord.objects.count() == 3
+    assert tick_request_log_drain() == 0  # the list is trimmed by what was written
+    settings.GATEWAY_STATE_BACKEND = "memory"
+    assert tick_request_log_drain() == 0
+
+
 @pytest.mark.postgres
 def test_a_batch_written_twice_is_written_once(acme: Any) -> None:
     entry = Entry("req_twice", time.time(), acme.pk, "tiny", "acme-chat", "guaranteed", "", False, 5, 8, 0,

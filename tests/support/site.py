@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
-from apps.simulator.live_site import REPO, PreparedSite, manage, prepare_site, server_log, serving
+from apps.simulator.live_site import (
+    REPO,
+    PreparedSite,
+    manage,
+    prepare_site,
+    running_ticks,
+    server_log,
+    serving,
+)
 
-__all__ = ["REPO", "PreparedSite", "manage", "prepare_site", "server_log", "serving"]
+__all__ = ["REPO", "PreparedSite", "manage", "prepare_site", "running_ticks", "server_log", "serving"]

@@ -170,7 +170,8 @@ def test_gateway_settings_default_to_the_gateway_config_fields() -> None:
         30.0, 10.0, 3.0)
     assert out["mode"] == "auto"
     assert out["ticks"] == {"ewma": 1.0, "aimd": 5.0, "scrape": 5.0, "autoscale": 15.0, "expiry": 30.0,
-                            "usage_rollup": 300.0, "request_log": 600.0, "dashboard": 1.0}
+                            "usage_rollup": 300.0, "request_log": 600.0,
+                            "request_log_drain": 2.0, "dashboard": 1.0}
 
 
 def test_the_gateway_reads_only_django_settings(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,7 +34,7 @@ def test_beat_schedule_is_built_from_the_registry(settings: Any) -> None:
     settings.TOKENPOOLS_TICK_PERIODS = {**settings.TOKENPOOLS_TICK_PERIODS, "aimd": 2.0}
     schedule = beat_schedule()
     assert set(schedule) == {f"tick-{n}" for n in ("ewma", "aimd", "scrape", "autoscale", "expiry", "usage_rollup",
-                                                      "request_log")}
+                                                      "request_log", "request_log_drain")}
     assert schedule["tick-ewma"] == {"task": "workers.tasks.run_tick", "schedule": 1.0, "args": ("ewma",),
                                      "options": {"expires": 1.0}}
     assert schedule["tick-aimd"]["schedule"] == 2.0

@@ -25,7 +25,7 @@ def test_registry_has_the_seed_periods() -> None:
     assert specs["aimd"].period_s == 5.0
     assert specs["dashboard"].period_s == 1.0
     assert set(specs) == {"ewma", "aimd", "scrape", "autoscale", "expiry", "usage_rollup", "request_log",
-                          "dashboard"}
+                          "request_log_drain", "dashboard"}
     for spec in specs.values():
         assert callable(spec.resolve())
 
