@@ -10,7 +10,8 @@ The upstream is nginx answering every OpenAI call with a fixed body (it is what 
 around, and it must not be the bottleneck). The proxy under test is pinned to core 0; nginx, Redis and
 wrk share core 1 (until 2026-11-27 Redis was left unpinned, wherever the scheduler put it), so "requests/s" is
 per gateway process on one core. With the Redis store the periodic ticks run in a `run_ticks` process on core 1
-too, as a Celery worker runs them beside a deployment's gateways (`--ticks gateway`: in the gateway's process). Gateways measured side by side (a baseline commit, extra entitlements, several
+too, at the lowest priority (nice 19), as a Celery worker runs them beside a deployment's gateways, on machines of
+its own (`--ticks gateway`: in the gateway's process). Gateways measured side by side (a baseline commit, extra entitlements, several
 places for Redis) take turns; the others are stopped meanwhile (`--neighbours paused`).
 
 Two kinds of measurement per target:
@@ -224,7 +225,9 @@ def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: a
                 for index, (placement, redis_env) in enumerate(_redis_placements(store, args, workdir, stack)):
                     env = {**site_env, **redis_env}
                     if store == "redis" and args.ticks == "own-process":
-                        stack.enter_context(running_ticks(site, env=env, cpu_core=LOADGEN_CORE,
+                        # At the lowest priority: a deployment's worker runs on other machines, not on the
+                        # cores that carry requests; here it takes what Redis, nginx and wrk leave of core 1.
+                        stack.enter_context(running_ticks(site, env=env, cpu_core=LOADGEN_CORE, nice=19,
                                                           log_name=f"ticks-{site.repo.name}-{index}.log"))
                     for log in logs if not suffix else [True]:  # a baseline commit, tracing, extras: the log on
                         name = f"{store}{'' if log else '-nolog'}-{site.repo.name}{'-otel' if traced else ''}"
@@ -631,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                              "running their periodic work on the same core")
     parser.add_argument("--ticks", choices=["own-process", "gateway"], default="own-process",
                         help="with the Redis store, where the periodic ticks run: a run_ticks process on the load "
-                             "generator's core (as Celery runs them beside a deployment's gateways), or the "
+                             "generator's core at nice 19 (as Celery runs them beside a deployment's gateways), or the "
                              "gateway's own process (as until 2026-11-27)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of alternation when several servers are measured side by side (median)")

@@ -78,10 +78,13 @@ def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: 
 
 @contextlib.contextmanager
 def running_ticks(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: str = "ticks.log",
-                  cpu_core: str | None = None) -> Iterator[subprocess.Popen]:
+                  cpu_core: str | None = None, nice: int = 0) -> Iterator[subprocess.Popen]:
     """Run `manage.py run_ticks` for the prepared site: the periodic ticks (EWMA, AIMD, ...) that Celery beat
-    runs in a deployment with a broker, where `serve` leaves them to it (a Redis URL is such a broker)."""
+    runs in a deployment with a broker, where `serve` leaves them to it (a Redis URL is such a broker); on
+    `cpu_core` when given, at the scheduling priority `nice` (19: it yields to whatever else wants the core)."""
     cmd = [sys.executable, "manage.py", "run_ticks"]
+    if nice:
+        cmd = ["nice", "-n", str(nice), *cmd]
     if cpu_core is not None:
         cmd = ["taskset", "-c", cpu_core, *cmd]
     with _site_process(site, cmd, env=env, log_name=log_name) as proc:
