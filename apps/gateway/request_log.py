@@ -184,9 +184,11 @@ class RequestLog:
             self._put_back(entries)
             raise
 
-    async def drain(self) -> int:
+    async def drain(self, *, close_connections: bool = False) -> int:
         """With Redis: the shared list (every process's pushed records) to the database, in batches, by one
-        flush at a time (a lock in Redis); returns rows written (0 when another process drains now)."""
+        flush at a time (a lock in Redis); returns rows written (0 when another process drains now).
+        `close_connections`: the worker threads close their database connections after each write (a tick's
+        event loop and its threads last one run: nothing would reuse them)."""
         token = uuid.uuid4().hex
         if not await self.redis.set(self.lock_key, token, nx=True, px=DRAIN_LEASE_MS):
             return 0  # another process drains now
@@ -196,7 +198,8 @@ class RequestLog:
                 raw = await self.redis.lrange(self.list_key, 0, BATCH - 1)
                 if not raw:
                     break
-                written += await asyncio.to_thread(_write_encoded_in_thread, raw)  # decoded there (`push`)
+                written += await asyncio.to_thread(_write_encoded_in_thread, raw,  # decoded there (`push`)
+                                                   close_connections)
                 if not await self.redis.eval(_TRIM, 2, self.list_key, self.lock_key, token, len(raw),
                                              DRAIN_LEASE_MS):
                     break  # the lock ran out and another flush took over: it trims what it writes
@@ -223,9 +226,15 @@ def _write_in_thread(entries: list[Entry]) -> int:
     return request_log_write(entries)
 
 
-def _write_encoded_in_thread(encoded: list[str]) -> int:
+def _write_encoded_in_thread(encoded: list[str], close_connections: bool = False) -> int:
     """Records as the Redis list holds them (`_encoded`) to the database, decoded in the worker thread."""
-    return _write_in_thread([Entry(*json.loads(item)) for item in encoded])
+    try:
+        return _write_in_thread([Entry(*json.loads(item)) for item in encoded])
+    finally:
+        if close_connections:
+            from django.db import connections
+
+            connections.close_all()  # this thread's own
 
 
 def request_log_write(entries: list[Entry]) -> int:
