@@ -3,7 +3,8 @@ through LiteLLM's proxy, measured with wrk in one run.
 
     python -m bench.gateway [--duration 10] [--concurrency 1 32 256] [--paced-rate 50 500] [--no-litellm]
                             [--request-log on|off|both] [--stores memory redis] [--redis-core 1 0 any]
-                            [--redis-socket tcp unix] [--neighbours paused|running] [--ticks own-process|gateway]
+                            [--redis-socket tcp unix] [--neighbours paused|running]
+                            [--ticks own-process|gateway|both]
                             [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
@@ -224,7 +225,7 @@ def measure_sites(sites: list[tuple[str, PreparedSite, dict[str, str]]], args: a
                 traced = "OTEL_EXPORTER_OTLP_ENDPOINT" in site_env
                 for index, (placement, redis_env) in enumerate(_redis_placements(store, args, workdir, stack)):
                     env = {**site_env, **redis_env}
-                    if store == "redis" and args.ticks == "own-process":
+                    if env.get("TOKENPOOLS_TICKS") == "celery":
                         # At the lowest priority: a deployment's worker runs on other machines, not on the
                         # cores that carry requests; here it takes what Redis, nginx and wrk leave of core 1.
                         stack.enter_context(running_ticks(site, env=env, cpu_core=LOADGEN_CORE, nice=19,
@@ -251,9 +252,11 @@ def _redis_placements(store: str, args: argparse.Namespace, workdir: Path,
     environment a gateway using it gets, and a label suffix when there are several; none for the in-process one."""
     if store != "redis":
         return [("", {})]
-    places = [(cores, socket) for cores in args.redis_core for socket in args.redis_socket]
+    ticks_places = ["own-process", "gateway"] if args.ticks == "both" else [args.ticks]
+    places = [(cores, socket, ticks) for cores in args.redis_core for socket in args.redis_socket
+              for ticks in ticks_places]
     found = []
-    for cores, socket in places:
+    for cores, socket, ticks_place in places:
         socket_path = workdir / f"redis-{secrets.token_hex(4)}.sock"
         unix = ("--unixsocket", str(socket_path), "--unixsocketperm", "700") if socket == "unix" else ()
         redis_url = stack.enter_context(running_redis(*unix))
@@ -261,12 +264,17 @@ def _redis_placements(store: str, args: argparse.Namespace, workdir: Path,
         # The periodic ticks (the debt and burst EWMA, the request log's drain, ...): with `--ticks own-process`
         # (the default) in a `run_ticks` process on the load generator's core, as a deployment on Redis runs them
         # in a Celery worker beside its gateways (the gateway keeps its server-only ones); with `--ticks gateway`
-        # in the gateway's own process, as with the in-process store. Either way they cost Redis what they cost.
-        ticks = "celery" if args.ticks == "own-process" else "in-process"
+        # in the gateway's own process, as with the in-process store (`both`: one Redis and gateway each, side by
+        # side). Either way they cost Redis what they cost.
+        ticks = "celery" if ticks_place == "own-process" else "in-process"
         env = {"REDIS_URL": redis_url, "GATEWAY_STATE_BACKEND": "redis", "TOKENPOOLS_TICKS": ticks}
         if socket == "unix":  # the gateway's state only: the rest keeps REDIS_URL
             env["GATEWAY_REDIS_URL"] = f"unix://{socket_path}"
-        label = f" [Redis on {'any core' if cores == 'any' else 'core ' + cores}, {socket}]" if len(places) > 1 else ""
+        label = ""
+        if len(args.redis_core) * len(args.redis_socket) > 1:
+            label += f" [Redis on {'any core' if cores == 'any' else 'core ' + cores}, {socket}]"
+        if len(ticks_places) > 1:
+            label += " [ticks in run_ticks]" if ticks_place == "own-process" else " [ticks in the gateway]"
         found.append((label, env))
     return found
 
@@ -632,10 +640,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--neighbours", choices=["paused", "running"], default="paused",
                         help="side by side: the gateways not being measured are stopped (SIGSTOP) meanwhile, or left "
                              "running their periodic work on the same core")
-    parser.add_argument("--ticks", choices=["own-process", "gateway"], default="own-process",
+    parser.add_argument("--ticks", choices=["own-process", "gateway", "both"], default="own-process",
                         help="with the Redis store, where the periodic ticks run: a run_ticks process on the load "
                              "generator's core at nice 19 (as Celery runs them beside a deployment's gateways), or the "
-                             "gateway's own process (as until 2026-11-27)")
+                             "gateway's own process (as until 2026-11-27); both: one Redis and gateway each, "
+                             "side by side")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of alternation when several servers are measured side by side (median)")
     parser.add_argument("--extra-entitlements", type=int, default=0, metavar="N",
