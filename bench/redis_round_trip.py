@@ -17,6 +17,7 @@ import uvloop
 
 from apps.gateway.resp import MultiplexedRedis
 from bench.gateway import pin_redis
+from bench.policy import percentile
 from tests.support.services import running_redis
 
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             pin_redis(url, core)
             for gap_ms in args.gaps_ms:
                 took = uvloop.run(round_trips(url, args.calls, gap_ms / 1000))
-                print(f"| {core} | {gap_ms:g} ms | {took[len(took) // 2]:.0f} | {took[int(len(took) * 0.9)]:.0f} |")
+                print(f"| {core} | {gap_ms:g} ms | {percentile(took, 0.5):.0f} | {percentile(took, 0.9):.0f} |")
     return 0
 
 
