@@ -12,8 +12,9 @@ buffer (`RequestLog.record`, a few microseconds); what writes it to `RequestLogR
   `request_log_drain` tick (Celery, `run_ticks`, or the embedded server's ticker: not the gateway's event loop)
   drains that list into the database, one runner at a time (a lock in Redis), trimming the list only after the
   rows are written; a flush that dies midway leaves them in the list for the next one (rows are unique by
-  request id: written twice is written once). A SIGKILL loses at most the last `PUSH_S` (1 s) of this
-  process's records; what reached Redis is kept as Redis keeps its data.
+  request id: written twice is written once). A stopping gateway pushes and drains once more, waiting for a
+  drain that runs now (it read the list before that push). A SIGKILL loses at most the last `PUSH_S` (1 s) of
+  this process's records; what reached Redis is kept as Redis keeps its data.
 
 Either way a database that is away keeps the records for the next flush (in the buffer, bounded by
 `BUFFER_CAPACITY`: past it the oldest go and are counted in `dropped`; or in the Redis list). Requests still
@@ -50,6 +51,11 @@ BATCH = 2_000
 BATCHES_PER_FLUSH = 50
 # How long a flush may hold the drain lock before another process may take over.
 DRAIN_LEASE_MS = 60_000
+# How long a stopping gateway's flush waits for a drain that holds the lock now (a tick's, mid-batch: it read
+# the list before this process's last push, so it would leave those records there); past it they stay in the
+# list for the next `request_log_drain` tick.
+FLUSH_WAIT_S = 10.0
+LOCK_POLL_S = 0.05
 
 # Trim the list by what was written, only while the lock is still this flush's (else another took over and
 # trims itself); and give the lock back.
@@ -174,7 +180,7 @@ class RequestLog:
         """Records to the database (with Redis: pushed, then the shared list drained); returns rows written."""
         if self.redis is not None:
             await self.push()
-            return await self.drain()
+            return await self.drain(wait_s=FLUSH_WAIT_S)
         if not self.buffer:
             return 0
         entries = self._take()
@@ -184,14 +190,17 @@ class RequestLog:
             self._put_back(entries)
             raise
 
-    async def drain(self, *, close_connections: bool = False) -> int:
+    async def drain(self, *, close_connections: bool = False, wait_s: float = 0.0) -> int:
         """With Redis: the shared list (every process's pushed records) to the database, in batches, by one
-        flush at a time (a lock in Redis); returns rows written (0 when another process drains now).
-        `close_connections`: the worker threads close their database connections after each write (a tick's
-        event loop and its threads last one run: nothing would reuse them)."""
+        flush at a time (a lock in Redis); returns rows written (0 when another process drains now and does not
+        end within `wait_s`). `close_connections`: the worker threads close their database connections after
+        each write (a tick's event loop and its threads last one run: nothing would reuse them)."""
         token = uuid.uuid4().hex
-        if not await self.redis.set(self.lock_key, token, nx=True, px=DRAIN_LEASE_MS):
-            return 0  # another process drains now
+        if not await self._lock(token, wait_s):
+            if wait_s > 0:
+                logger.warning("request log: another drain held the lock for %.0f s; the records pushed stay in "
+                               "Redis (%s) for the next request_log_drain tick", wait_s, self.list_key)
+            return 0
         written = 0
         try:
             for _ in range(BATCHES_PER_FLUSH):
@@ -208,6 +217,15 @@ class RequestLog:
         finally:
             await self.redis.eval(_UNLOCK, 1, self.lock_key, token)
         return written
+
+    async def _lock(self, token: str, wait_s: float) -> bool:
+        """The drain lock, polled for up to `wait_s` while another drain holds it."""
+        deadline = time.monotonic() + wait_s
+        while not await self.redis.set(self.lock_key, token, nx=True, px=DRAIN_LEASE_MS):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(LOCK_POLL_S)
+        return True
 
 
 _COLUMNS = ("request_id", "arrived_at", "tenant_id", "pool", "entitlement", "service_class", "service_tier", "stream",

@@ -100,7 +100,9 @@ def _assert_log_is_complete(rows: dict[str, Any], live: dict[str, Any], *, warme
     """What the request log recorded is what the clients saw, plus the warm-up requests (two per key present
     at the start, `warmed`; a key made at its tenant's join has none; not counted by the clients), all served. (A warm-up request once answered `state_store_unavailable` on Redis: a
     dashboard sample taken on a tick's own event loop had bound the gateway's Redis pool to that loop; fixed in
-    `apps.dashboard.telemetry`, so an error here is a defect again.)"""
+    `apps.dashboard.telemetry`, so an error here is a defect again. A served request once went missing on Redis: the
+    stopping gateway's last drain found the ticker's drain holding the lock and gave up, leaving its last push in
+    the list; it now waits for that drain, `test_a_stopping_gateways_flush_waits_for_a_drain_that_runs_now`.)"""
     for name, figures in live.items():
         recorded = rows[name]["recorded"]
         assert recorded["errors"] == 0, (name, recorded, figures)

@@ -189,6 +189,47 @@ def test_records_pushed_to_redis_survive_their_process(kind: str, acme: Any, req
     assert (record.request_id, record.max_tokens, record.ttft_ms) == ("req_survivor", None, 12.5)
 
 
+def test_a_stopping_gateways_flush_waits_for_a_drain_that_runs_now(acme: Any, redis_url: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain tick that holds the lock read the list before the stopping gateway's last push: the flush waits
+    for it to end, then drains what it pushed (it once returned at once and left the record in Redis). A lock
+    that is never given back (its holder killed) costs the flush `FLUSH_WAIT_S`, and the records stay in the list
+    for the next tick."""
+    import redis.asyncio as aioredis
+
+    from apps.gateway import request_log
+
+    monkeypatch.setattr(request_log, "FLUSH_WAIT_S", 1.0)
+    prefix = f"trl{uuid.uuid4().hex}:"
+
+    def entry(request_id: str) -> Entry:
+        return Entry(request_id, time.time(), acme.pk, "tiny", "acme-chat", "guaranteed", "guaranteed", False,
+                     5, 8, 3, "served", "", 0.0, 12.5, 20.0)
+
+    async def scenario() -> tuple[int, int, int, int]:
+        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            log = RequestLog()
+            log.attach(client, prefix)
+            await client.set(log.lock_key, "a-tick-mid-drain", px=60_000)
+            log.record(entry("req_waited"))
+            flushing = asyncio.create_task(log.flush())
+            await asyncio.sleep(0.3)
+            waited = int(not flushing.done())
+            await client.delete(log.lock_key)  # the tick's drain ends
+            written = await flushing
+            await client.set(log.lock_key, "a-holder-killed", px=60_000)
+            log.record(entry("req_left"))
+            abandoned = await log.flush()
+            return waited, written, abandoned, await client.llen(log.list_key)
+        finally:
+            await client.delete(f"{prefix}{{reqlog}}:list", f"{prefix}{{reqlog}}:lock")
+            await client.aclose()
+
+    assert asyncio.run(scenario()) == (1, 1, 0, 1)
+    assert list(RequestLogRecord.objects.values_list("request_id", flat=True)) == ["req_waited"]
+
+
 def test_with_redis_the_drain_tick_writes_the_records_not_the_gateway(gateway_factory: Any, redis_url: str,
                                                                      settings: Any) -> None:
     """A gateway on Redis only pushes its records (its event loop never runs the batch INSERT); the
