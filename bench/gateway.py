@@ -12,8 +12,8 @@ around, and it must not be the bottleneck). The proxy under test is pinned to co
 wrk share core 1 (until 2026-11-27 Redis was left unpinned, wherever the scheduler put it), so "requests/s" is
 per gateway process on one core. With the Redis store the periodic ticks run in a `run_ticks` process on core 1
 too, at the lowest priority (nice 19), as a Celery worker runs them beside a deployment's gateways, on machines of
-its own (`--ticks gateway`: in the gateway's process). Gateways measured side by side (a baseline commit, extra entitlements, several
-places for Redis) take turns; the others are stopped meanwhile (`--neighbours paused`).
+its own (`--ticks gateway`: in the gateway's process). Gateways measured side by side (a baseline commit, extra
+entitlements, several places for Redis) take turns; the others are stopped meanwhile (`--neighbours paused`).
 
 Two kinds of measurement per target:
 - closed loop (wrk's default): every stream sends its next request as soon as the last one is answered.

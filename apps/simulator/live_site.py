@@ -69,9 +69,7 @@ def serving(site: PreparedSite, *, env: dict[str, str] | None = None, log_name: 
     port = free_port()
     cmd = [sys.executable, "manage.py", "serve", "--port", str(port), "--log-level", "warning",
            "--workers", str(workers)]
-    if cpu_core is not None:
-        cmd = ["taskset", "-c", cpu_core, *cmd]
-    with _site_process(site, cmd, env=env, log_name=log_name) as proc:
+    with _site_process(site, cmd, env=env, log_name=log_name, cpu_core=cpu_core) as proc:
         wait_for_port(port, timeout_s=60, proc=proc)
         yield f"http://127.0.0.1:{port}", proc
 
@@ -82,19 +80,20 @@ def running_ticks(site: PreparedSite, *, env: dict[str, str] | None = None, log_
     """Run `manage.py run_ticks` for the prepared site: the periodic ticks (EWMA, AIMD, ...) that Celery beat
     runs in a deployment with a broker, where `serve` leaves them to it (a Redis URL is such a broker); on
     `cpu_core` when given, at the scheduling priority `nice` (19: it yields to whatever else wants the core)."""
-    cmd = [sys.executable, "manage.py", "run_ticks"]
-    if nice:
-        cmd = ["nice", "-n", str(nice), *cmd]
-    if cpu_core is not None:
-        cmd = ["taskset", "-c", cpu_core, *cmd]
-    with _site_process(site, cmd, env=env, log_name=log_name) as proc:
+    with _site_process(site, [sys.executable, "manage.py", "run_ticks"], env=env, log_name=log_name,
+                       cpu_core=cpu_core, nice=nice) as proc:
         yield proc
 
 
 @contextlib.contextmanager
-def _site_process(site: PreparedSite, cmd: list[str], *, env: dict[str, str] | None,
-                  log_name: str) -> Iterator[subprocess.Popen]:
-    """`cmd` in the site's environment (plus `env`), logged to `log_name`, stopped with its group at exit."""
+def _site_process(site: PreparedSite, cmd: list[str], *, env: dict[str, str] | None, log_name: str,
+                  cpu_core: str | None = None, nice: int = 0) -> Iterator[subprocess.Popen]:
+    """`cmd` in the site's environment (plus `env`), logged to `log_name`, stopped with its group at exit; pinned
+    to `cpu_core` (a taskset list) when given, at the scheduling priority `nice`."""
+    if nice:
+        cmd = ["nice", "-n", str(nice), *cmd]
+    if cpu_core is not None:
+        cmd = ["taskset", "-c", cpu_core, *cmd]
     log = open(site.workdir / log_name, "w")  # noqa: SIM115  (closed in finally)
     proc = subprocess.Popen(cmd, cwd=site.repo, env={**site.env, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -208,9 +208,9 @@ def test_a_stopping_gateways_flush_waits_for_a_drain_that_runs_now(acme: Any, re
 
     async def scenario() -> tuple[int, int, int, int]:
         client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        log = RequestLog()
+        log.attach(client, prefix)
         try:
-            log = RequestLog()
-            log.attach(client, prefix)
             await client.set(log.lock_key, "a-tick-mid-drain", px=60_000)
             log.record(entry("req_waited"))
             flushing = asyncio.create_task(log.flush())
@@ -223,7 +223,7 @@ def test_a_stopping_gateways_flush_waits_for_a_drain_that_runs_now(acme: Any, re
             abandoned = await log.flush()
             return waited, written, abandoned, await client.llen(log.list_key)
         finally:
-            await client.delete(f"{prefix}{{reqlog}}:list", f"{prefix}{{reqlog}}:lock")
+            await client.delete(log.list_key, log.lock_key)
             await client.aclose()
 
     assert asyncio.run(scenario()) == (1, 1, 0, 1)
