@@ -17,7 +17,10 @@ with context.py (one request's state and how it answers) and errors.py (OpenAI-s
 The state behind admission, one interface (state.py) and two implementations:
     memory_state.py one `apps.policy.AdmissionLedger` per pool: the simulator's state machine itself
     redis_state.py  the same transitions as Lua scripts (lua/), for several gateway processes; proven equal to
-                    the ledger by `make conformance` (tests/conformance)
+                    the ledger by `make conformance` (tests/conformance). Beside it: redis_calls.py (the
+                    function library, the connections, failures), redis_args.py (the scripts' arguments and
+                    replies), redis_quota.py (tenant quotas), redis_snapshot.py (the snapshots an offer decides
+                    on), resp.py (the one connection the calls share), redis_cluster.py (a Redis Cluster)
 
 Around the requests: background.py (the background loops of a running gateway, its gauges, its clean stop),
 budget.py (each pool's AIMD controller of its dispatch budget, seed 002; the budget is a check of the

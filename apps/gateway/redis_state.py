@@ -15,32 +15,43 @@ Time is Redis' own clock (one for every process) unless a clock is injected (the
 the scripts on a fake one). A pool's keys share one hash tag, so the scripts stay within one cluster slot.
 The pool's dispatch budget (seed 002's AIMD, set by `BUDGET`) is one more limit the scripts check with the
 pool's capacity: a request starts only while fewer than the budget run.
+
+Beside this module: the wire (the function library, the connections, what a failure means) in
+`apps.gateway.redis_calls`, the scripts' arguments and replies in `apps.gateway.redis_args`, tenant quotas in
+`apps.gateway.redis_quota`, the snapshots an offer decides on in `apps.gateway.redis_snapshot`. What stays here is
+one class, the store's transitions; the offer's compare-and-set loop is most of it, and reads top to bottom.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import math
 import random
 import time
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from functools import cache, partial
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MaxConnectionsError, ReadOnlyError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from apps.gateway import redis_cluster
+from apps.gateway.redis_args import (
+    bucket_args,
+    capacity_args,
+    queue_args,
+    reply_float,
+    reserved_args,
+    tick_rows,
+    usage_claims,
+    usage_minute,
+)
+from apps.gateway.redis_calls import CALL_ERRORS, MAX_CONNECTIONS, POOL_TIMEOUT_S, ScriptCalls
+from apps.gateway.redis_quota import RedisQuotas
 from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint, read_snapshot, standing_args
-from apps.gateway.resp import MultiplexedRedis
 from apps.gateway.snapshot import PoolInfo
 from apps.gateway.state import (
     REJECTED,
@@ -48,7 +59,6 @@ from apps.gateway.state import (
     Offer,
     RateView,
     Reservation,
-    StateStoreBusy,
     StateStoreUnavailable,
     UsageKey,
     rate_view,
@@ -76,7 +86,7 @@ from apps.policy.queues import ENQUEUE, offered_priority, own_limits_decision, o
 from apps.policy.quota import QuotaCharge, QuotaClaim, QuotaStanding, QuotaVerdict, binding
 from apps.policy.quota_offer import Decide, Refund, Reserve, Step, quota_offer, run_async, settlement
 from apps.policy.tiers import DEMOTED_CLASS, served_as, spills, tier_pool
-from apps.policy.window import WindowFigures, WindowReading, window_reading
+from apps.policy.window import WindowReading, window_reading
 
 logger = logging.getLogger(__name__)
 
@@ -87,119 +97,6 @@ EVENTS = "tp:gw:events"
 MAX_ATTEMPTS = 12
 CAS_BACKOFF_S = 0.0005
 CAS_BACKOFF_CAP_S = 0.05
-LUA = Path(__file__).with_name("lua")
-SCRIPTS = ("read", "commit", "release", "expire", "evict", "refuse", "sync", "tick", "dynamics", "leases",
-           "budget", "usage_claim", "usage_done", "quota_reserve", "quota_settle", "quota_read",
-           "quota_leases", "fields", "in_flight", "dynamics_read")
-
-
-# Entries that only read (Redis may run them anywhere, replicas included).
-READ_ONLY = frozenset({"read", "quota_read", "fields", "in_flight", "dynamics_read"})
-# A tenant's quota hash outlives the longest window (a month) by a few days.
-QUOTA_TTL_S = 35 * 86400
-# The process's connections to Redis: one blocking pool shared by every request; a call waits up to the
-# pool timeout for a free connection (a burst queues for a moment; it is not an outage).
-MAX_CONNECTIONS = 128
-POOL_TIMEOUT_S = 10.0
-
-
-class FastBlockingConnectionPool(aioredis.BlockingConnectionPool):
-    """redis-py's blocking pool with a fast path: a connection that is free (or may still be opened) is taken as
-    the plain pool takes it, with no timer and no condition; only a caller that must wait for one pays for those
-    (on this machine they cost about 28 us a call, three calls a request: issue 23's benchmark)."""
-
-    async def get_connection(self, command_name: Any = None, *keys: Any, **options: Any) -> Any:
-        if not self._in_maintenance and self.can_get_connection():
-            return await aioredis.ConnectionPool.get_connection(self)
-        return await super().get_connection()
-
-    async def release(self, connection: Any) -> None:
-        if self._in_maintenance or self._condition._waiters:  # somebody waits for it: hand it over
-            await super().release(connection)
-            return
-        await aioredis.ConnectionPool.release(self, connection)
-
-
-def _store_failure(exc: BaseException) -> StateStoreUnavailable | None:
-    """What a Redis error means for the gateway: `StateStoreUnavailable` only when Redis cannot be reached
-    (refused, connect or read timeout, reset, loading, a read-only replica after a failover);
-    `StateStoreBusy` when it is there but no pooled connection came free in time or it is busy running
-    a script; None for anything else (a script error is a bug: it propagates, a 500, never a 503)."""
-    text = str(exc)
-    if isinstance(exc, MaxConnectionsError) or (isinstance(exc, RedisConnectionError)
-                                                and "No connection available" in text):
-        return StateStoreBusy(f"Redis busy (no free connection: {text})")
-    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, ReadOnlyError,
-                        *redis_cluster.FAILOVER_ERRORS)) or redis_cluster.connection_race(exc):
-        return StateStoreUnavailable(f"Redis unreachable ({type(exc).__name__}: {exc})")
-    if isinstance(exc, ResponseError) and text.startswith("BUSY"):
-        return StateStoreBusy(f"Redis busy ({text})")
-    return None
-
-
-@cache
-def function_library() -> tuple[str, str]:
-    """The Lua library as one Redis function library, and its version: the transitions (machine.lua), then
-    every entry as a function (`tp_<version>_<entry>`). Loaded once per Redis
-    (FUNCTION LOAD), not sent with every call; the version, a hash of the source, keeps processes of
-    different releases on their own functions during a rolling deploy."""
-    body = [(LUA / "machine.lua").read_text()]
-    for name in SCRIPTS:
-        body.append(f"local function entry_{name}()\n{(LUA / f'{name}.lua').read_text()}\nend")
-    source = "\n".join(body)
-    version = hashlib.sha1(source.encode()).hexdigest()[:12]
-    registrations = []
-    for name in SCRIPTS:
-        flags = ", flags={'no-writes'}" if name in READ_ONLY else ""
-        registrations.append(
-            f"redis.register_function{{function_name='tp_{version}_{name}', "
-            f"callback=function(keys, args) bind(keys, args) return entry_{name}() end{flags}}}")
-    return f"#!lua name=tokenpools_{version}\n" + source + "\n" + "\n".join(registrations) + "\n", version
-
-
-def _float(value: Any) -> float:
-    if value in (None, b"", ""):
-        return 0.0
-    return float(value)
-
-
-def _bucket_args(limits: EntitlementLimits) -> tuple[str, str]:
-    capacity = limits.bucket_capacity
-    return ("-1", "0") if capacity is None else (repr(float(capacity)), repr(float(limits.tokens_per_second or 0.0)))
-
-
-def _queue_args(limits: EntitlementLimits) -> str:
-    """What the Redis scripts let an entitlement's queue go by (`own_fits` in machine.lua), one argument."""
-    def value(x: float | None) -> str:
-        return "-1" if x is None else repr(float(x))
-
-    return " ".join((value(limits.concurrency), value(limits.burst_concurrency), value(limits.kv_bytes),
-                     value(limits.burst_kv_bytes), "1" if limits.traits.may_burst else "0",
-                     repr(float(limits.own_queue_wait_s))))
-
-
-def _reserved_args(pool: PoolInfo) -> tuple[int, list[str]]:
-    """The pool's reservations as script arguments, and a signature that says when they changed (computed
-    once per snapshot of the pool: every offer passes them)."""
-    cached = _RESERVED.get(id(pool))
-    if cached is not None and cached[0] is pool:
-        return cached[1], cached[2]
-    pairs: list[str] = []
-    for name, concurrency, kv_bytes in pool.reserved:
-        pairs += [name, f"{int(concurrency)} {float(kv_bytes)!r}"]
-    signature = zlib.crc32("\x00".join(pairs).encode())
-    if len(_RESERVED) > 1024:
-        _RESERVED.clear()
-    _RESERVED[id(pool)] = (pool, signature, pairs)
-    return signature, pairs
-
-
-_RESERVED: dict[int, tuple[PoolInfo, int, list[str]]] = {}
-
-
-def _capacity_args(pool: PoolInfo, saturation: float, config: AdmissionConfig) -> list[str]:
-    return [str(max(0, pool.concurrency_capacity)), repr(float(pool.kv_capacity)), repr(float(saturation)),
-            repr(float(config.wait_timeout_s)), str(config.max_evictions_per_request)]
 
 
 class RedisStateStore(GatewayStateStore):
@@ -217,20 +114,10 @@ class RedisStateStore(GatewayStateStore):
         self.config = config
         self.dynamics_config = dynamics_config or DynamicsConfig()
         self.lease_s = lease_s
-        # Short socket timeouts: an unreachable store must turn into a fast 503, not a hung request. One
-        # blocking pool: a burst of requests waits for a free connection instead of failing for want of one.
-        # On a cluster (`apps.gateway.redis_cluster`): a pool of connections per node, calls routed by key.
-        self.redis: Any = client or (redis_cluster.cluster_client(
-            url, socket_timeout_s=socket_timeout_s, max_connections=max_connections) if cluster
-            else aioredis.Redis(connection_pool=FastBlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=pool_timeout_s,
-                socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s, decode_responses=True,
-                health_check_interval=30)))
-        # The scripts' calls share one connection (apps.gateway.resp: a third of redis-py's CPU a call); other
-        # commands, a cluster and a client handed in go through redis-py.
-        self._calls = None if cluster or client is not None else MultiplexedRedis.from_url(
-            url, timeout_s=socket_timeout_s)
-        self._library, self._version = function_library()
+        self.scripts = ScriptCalls(url=url, socket_timeout_s=socket_timeout_s, client=client,
+                                   max_connections=max_connections, pool_timeout_s=pool_timeout_s, cluster=cluster)
+        self.redis: Any = self.scripts.redis
+        self._quotas = RedisQuotas(call=self._call, prefix=prefix, now=self._now)
         self._queue_arg_cache: dict[int, tuple[EntitlementLimits, str]] = {}
         self._tick_index: dict[str, tuple[Sequence[EntitlementLimits], dict[str, EntitlementLimits]]] = {}
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
@@ -257,7 +144,7 @@ class RedisStateStore(GatewayStateStore):
             return hit[1]
         if len(self._queue_arg_cache) > 10_000:
             self._queue_arg_cache.clear()
-        value = _queue_args(limits)
+        value = queue_args(limits)
         self._queue_arg_cache[id(limits)] = (limits, value)
         return value
 
@@ -266,54 +153,27 @@ class RedisStateStore(GatewayStateStore):
         return time.time() if self.clock is None else float(self.clock.now())
 
     async def _call(self, name: str, keys: list[str], args: Sequence[Any]) -> Any:
-        return await self._redis(self._fcall(f"tp_{self._version}_{name}", keys, args))
-
-    async def _fcall(self, function: str, keys: list[str], args: Sequence[Any]) -> Any:
-        try:
-            return await self._send_fcall(function, keys, args)
-        except ResponseError as exc:
-            if "function not found" not in str(exc).lower():
-                raise
-            # A Redis that never saw this release's library, or lost it (restarted without its data; on a
-            # cluster, a node that joined without it): loaded again (every primary), then the call again.
-            await redis_cluster.load_library(self.redis, self._library)
-            return await self._send_fcall(function, keys, args)
-
-    def _send_fcall(self, function: str, keys: list[str], args: Sequence[Any]) -> Any:
-        if self._calls is not None:  # one shared connection (apps.gateway.resp): a single Redis
-            return self._calls.call("FCALL", function, len(keys), *keys, *args)
-        return self.redis.fcall(function, len(keys), *keys, *args)
-
-    async def _redis(self, operation: Any) -> Any:
-        """Await a call to Redis; its failures as the gateway reads them (`_store_failure`), the one place."""
-        try:
-            return await operation
-        except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError,
-                RuntimeError) as exc:
-            error = _store_failure(exc)
-            if error is None:
-                raise
-            raise error from exc
+        return await self.scripts.call(name, keys, args)
 
     # --- the transitions -------------------------------------------------------------------------------
 
     async def sync_pool(self, *, pool: PoolInfo, saturation: float = 0.0) -> None:
-        signature, pairs = _reserved_args(pool)
+        signature, pairs = reserved_args(pool)
         queues: list[str] = []
         for limits in pool.entitlements:
-            queues += [limits.entitlement_id, _queue_args(limits),
+            queues += [limits.entitlement_id, queue_args(limits),
                        "1" if limits.state is EntitlementState.BOUND else "0"]
         started = await self._call("sync", [self._base(pool.name)],
-                                   [self._now(), *_capacity_args(pool, saturation, self.config), signature,
+                                   [self._now(), *capacity_args(pool, saturation, self.config), signature,
                                     len(pairs), *pairs, *queues])
         self._kept.forget(pool.name)
         self._notify(started=started)
 
     async def _read(self, limits: EntitlementLimits, pool: PoolInfo, request_id: str = "") -> list[str]:
         """READ's snapshot of the entitlement, its fields (`apps.gateway.redis_snapshot`)."""
-        _, pairs = _reserved_args(pool)
+        _, pairs = reserved_args(pool)
         return str(await self._call("read", [self._base(pool.name)],
-                                    [self._now(), limits.entitlement_id, *_bucket_args(limits), request_id,
+                                    [self._now(), limits.entitlement_id, *bucket_args(limits), request_id,
                                      *pairs])).split(" ")
 
     async def offer(
@@ -329,11 +189,11 @@ class RedisStateStore(GatewayStateStore):
         # this store answers its steps with the quota scripts and the offer.
         async def answer(step: Step) -> Any:
             if isinstance(step, Reserve):
-                return await self._quota_reserve(step.claim)
+                return await self._quotas.reserve(step.claim)
             if isinstance(step, Decide):
                 return await self._offer_settling(limits, pool, request, saturation, step.hold, demote=step.demoted)
             if isinstance(step, Refund):
-                return await self._quota_settle(step.claim.scope, step.claim.request_id, 0, 0)
+                return await self._quotas.settle(step.claim.scope, step.claim.request_id, 0, 0)
             return QuotaVerdict(True, binding(await self.quota_standings(scope=step.claim.scope,
                                                                          charges=step.claim.charges)))
 
@@ -382,51 +242,16 @@ class RedisStateStore(GatewayStateStore):
         except BaseException:
             if quota is not None:  # nothing was admitted: the reservation comes back (if Redis answers)
                 with contextlib.suppress(StateStoreUnavailable):
-                    await self._quota_settle(quota.scope, request.request_id, 0, 0)
+                    await self._quotas.settle(quota.scope, request.request_id, 0, 0)
             raise
 
-    # --- quotas (one hash per tenant: apps/gateway/lua/quota_*.lua) ------------------------------------
-
-    def _quota_key(self, scope: str) -> str:
-        return f"{self.prefix}{{q:{scope}}}:quota"
-
-    def _quota_keys(self, scope: str) -> list[str]:
-        """The scope's quota hash and the leases of its holds (one hash tag: one cluster slot)."""
-        return [self._quota_key(scope), f"{self.prefix}{{q:{scope}}}:leases"]
-
-    async def _quota_reserve(self, claim: QuotaClaim) -> QuotaVerdict:
-        args: list[Any] = [claim.request_id, claim.input_tokens, claim.max_tokens, QUOTA_TTL_S, self._now(),
-                           "" if claim.lease_s is None else repr(float(claim.lease_s))]
-        for charge in claim.charges:
-            args += [charge.key, repr(float(charge.limit)), charge.window_id, repr(float(charge.seed_used)),
-                     repr(float(charge.input_weight)), repr(float(charge.output_weight))]
-        raw = await self._call("quota_reserve", self._quota_keys(claim.scope), args)
-        status = int(raw[0])
-        if status == -1:
-            return QuotaVerdict(False)
-        if status == 0:
-            charge = claim.charges[int(raw[1]) - 1]
-            return QuotaVerdict(False, QuotaStanding(charge, _float(raw[2]), _float(raw[3])))
-        standings = [QuotaStanding(charge, _float(raw[1 + 2 * i]), _float(raw[2 + 2 * i]))
-                     for i, charge in enumerate(claim.charges)]
-        return QuotaVerdict(True, binding(standings))
-
-    async def _quota_settle(self, scope: str, request_id: str, input_tokens: float, output_tokens: float) -> None:
-        await self._call("quota_settle", self._quota_keys(scope),
-                         [request_id, repr(float(input_tokens)), repr(float(output_tokens))])
+    # --- quotas (apps.gateway.redis_quota) -------------------------------------------------------------
 
     async def quota_leases(self, *, scope: str, request_ids: Sequence[str], lease_s: float) -> list[str]:
-        return [str(r) for r in await self._call("quota_leases", self._quota_keys(scope),
-                                                  [self._now(), repr(float(lease_s)), *request_ids])]
+        return await self._quotas.leases(scope=scope, request_ids=request_ids, lease_s=lease_s)
 
     async def quota_standings(self, *, scope: str, charges: Sequence[QuotaCharge]) -> list[QuotaStanding]:
-        if not charges:
-            return []
-        args: list[Any] = []
-        for charge in charges:
-            args += [charge.key, charge.window_id, repr(float(charge.seed_used))]
-        raw = await self._call("quota_read", [self._quota_key(scope)], args)
-        return [QuotaStanding(charge, _float(raw[2 * i]), _float(raw[2 * i + 1])) for i, charge in enumerate(charges)]
+        return await self._quotas.standings(scope=scope, charges=charges)
 
     async def _tier_decision(self, tier: EntitlementLimits, owner: EntitlementLimits, owner_usage: EntitlementUsage,
                              version: str, pool: PoolInfo, request: AdmissionRequest,
@@ -453,7 +278,7 @@ class RedisStateStore(GatewayStateStore):
     ) -> Offer | list[str] | None:
         """The offer, decided on `fresh` (READ's snapshot) when given. With `kept_only`, only a start on the kept
         snapshot: where that is not one, None, or READ's snapshot when COMMIT found the kept one out of date."""
-        signature, pairs = _reserved_args(pool)
+        signature, pairs = reserved_args(pool)
         owner = limits
         # A start may be decided on the snapshot this process kept from its last reply for the entitlement, and
         # committed in one call (apps.gateway.redis_snapshot); anything else is decided on READ's.
@@ -500,7 +325,7 @@ class RedisStateStore(GatewayStateStore):
                     continue
                 if demote or tier_decision.admitted:
                     limits, decision = tier, tier_decision
-            capacity, rate = _bucket_args(limits)
+            capacity, rate = bucket_args(limits)
             mode = RUNNING if decision.admitted else WAITING
             decision, route = own_limits_decision(
                 limits, decision, queue_length,
@@ -526,7 +351,7 @@ class RedisStateStore(GatewayStateStore):
                  mode, repr(decision.priority), decision.token_cost,
                  repr(decision.kv_bytes), request.input_tokens, decision.max_tokens,
                  "1" if limits.traits.evictable else "0", "1" if decision.evict else "0", capacity, rate,
-                 *_capacity_args(pool, saturation, self.config), repr(self.lease_s), checked,
+                 *capacity_args(pool, saturation, self.config), repr(self.lease_s), checked,
                  fields[MARK] if checked else "", signature, self._queue_arg(limits),
                  "1" if self._offers_waiting.get((pool.name, owner.entitlement_id)) else "",
                  standing_args(limits, decision, fields) if checked else "", *pairs],
@@ -559,9 +384,9 @@ class RedisStateStore(GatewayStateStore):
         if state == WAITING:
             self._expect(request.request_id)
         self._notify(started=[s for s in started if s != request.request_id], evicted=evicted)
-        tokens = math.inf if limits.bucket_capacity is None else _float(raw[5])
+        tokens = math.inf if limits.bucket_capacity is None else reply_float(raw[5])
         return Offer(decision, reservation_for(limits, pool.name, request, decision),
-                     rate_view(limits, int(_float(raw[4])), tokens), state, started, evicted)
+                     rate_view(limits, int(reply_float(raw[4])), tokens), state, started, evicted)
 
     async def release(
         self, *, reservation: Reservation, prompt_tokens: int | None = None, completion_tokens: int | None = None,
@@ -577,7 +402,7 @@ class RedisStateStore(GatewayStateStore):
         # lock, ahead of later calls): Redis applies it before any later call of this process. Through
         # redis-py's pool, or with a quota settle after it, nothing orders it: every next offer waits for it
         # (GatewayStateStore.release: a release once begun comes first).
-        unordered = self._calls is None or reservation.quota_scope is not None
+        unordered = self.scripts.shared is None or reservation.quota_scope is not None
         if unordered:
             self._unordered_releases.add(done)
         try:
@@ -597,7 +422,7 @@ class RedisStateStore(GatewayStateStore):
             "release", [self._base(reservation.pool)],
             [self._now(), reservation.request_id, "" if completion_tokens is None else int(completion_tokens),
              "" if prompt_tokens is None else int(prompt_tokens),
-             "" if usage is None else str(usage.tenant_id), "" if usage is None else _usage_minute(usage)],
+             "" if usage is None else str(usage.tenant_id), "" if usage is None else usage_minute(usage)],
         )
         self._notify(started=raw[1])
         outcome = str(raw[0])
@@ -606,13 +431,13 @@ class RedisStateStore(GatewayStateStore):
         if reservation.quota_scope is not None:  # settled as the ledger settles it (apps.policy.quota_offer)
             prompt, output = settlement(outcome, reservation.input_tokens, reservation.max_tokens, completion_tokens,
                                         prompt_tokens)
-            await self._quota_settle(reservation.quota_scope, reservation.request_id, prompt, output)
-        return ReleaseResult(outcome, tuple(raw[1]), _float(raw[2]))
+            await self._quotas.settle(reservation.quota_scope, reservation.request_id, prompt, output)
+        return ReleaseResult(outcome, tuple(raw[1]), reply_float(raw[2]))
 
     async def evict(self, *, pool: str, request_id: str) -> ReleaseResult:
         raw = await self._call("evict", [self._base(pool)], [self._now(), request_id])
         self._notify(started=raw[1])
-        return ReleaseResult(str(raw[0]), tuple(raw[1]), _float(raw[2]))
+        return ReleaseResult(str(raw[0]), tuple(raw[1]), reply_float(raw[2]))
 
     async def expire(self, *, pool: str) -> list[str]:
         raw = await self._call("expire", [self._base(pool)], [self._now()])
@@ -636,17 +461,13 @@ class RedisStateStore(GatewayStateStore):
             readings = by_pool[pool] = {}
             elapsed = float(raw[1])
             updates: list[str] = []
-            for index in range(2, len(raw), 11):
-                name = raw[index]
+            for name, figures, dynamics in tick_rows(raw):
                 if name not in by_name:
                     # Not Bound in the snapshot (deleted, expired): its window closes with the others' but its
                     # debt and burst stay as they are (no limits here to weigh them against).
                     continue
-                values = [_float(value) for value in raw[index + 1: index + 11]]
-                figures = WindowFigures(values[0], values[1], values[2], values[3], int(values[4]), int(values[5]),
-                                        values[6], values[7])
                 reading = window_reading(
-                    figures, by_name[name], Dynamics(values[8], values[9]), elapsed,
+                    figures, by_name[name], dynamics, elapsed,
                     expected_service_s=self.config.expected_service_s, config=self.dynamics_config,
                 )
                 readings[name] = reading
@@ -676,17 +497,17 @@ class RedisStateStore(GatewayStateStore):
         return [value or None for value in await self._call("fields", [self._base(pool)], [field, *records])]
 
     async def pool_running(self, *, pool: str) -> int:
-        return int(_float((await self.record_fields(pool=pool, field="running", records=["pool"]))[0]))
+        return int(reply_float((await self.record_fields(pool=pool, field="running", records=["pool"]))[0]))
 
     async def in_flight(self, *, pool: PoolInfo) -> dict[str, int]:
         raw = await self._call("in_flight", [self._base(pool.name)], [])
-        return {str(raw[index]): int(_float(raw[index + 1])) for index in range(0, len(raw), 2)}
+        return {str(raw[index]): int(reply_float(raw[index + 1])) for index in range(0, len(raw), 2)}
 
     async def dynamics(self, *, pool: str, entitlements: Sequence[str]) -> dict[str, Dynamics]:
         if not entitlements:
             return {}
         raw = await self._call("dynamics_read", [self._base(pool)], list(entitlements))
-        return {name: Dynamics(_float(raw[2 * index]), _float(raw[2 * index + 1]))
+        return {name: Dynamics(reply_float(raw[2 * index]), reply_float(raw[2 * index + 1]))
                 for index, name in enumerate(entitlements)}
 
     async def request_state(self, *, reservation: Reservation) -> str | None:
@@ -698,18 +519,8 @@ class RedisStateStore(GatewayStateStore):
     # --- usage counted by the releases (`apps.gateway.peers.RedisPeers`) ---------------------------------
 
     async def usage_claim(self, *, pool: str, token: str, lease_s: float) -> dict[str, dict[str, str]]:
-        raw = await self._call("usage_claim", [self._base(pool)], [self._now(), token, repr(float(lease_s))])
-        claims: dict[str, dict[str, str]] = {}
-        index = 0
-        while index < len(raw):
-            claim, fields = raw[index], {}
-            index += 1
-            while raw[index] != "":
-                fields[raw[index]] = raw[index + 1]
-                index += 2
-            index += 1
-            claims[claim] = fields
-        return claims
+        return usage_claims(await self._call("usage_claim", [self._base(pool)],
+                                             [self._now(), token, repr(float(lease_s))]))
 
     async def usage_done(self, *, pool: str, token: str) -> None:
         await self._call("usage_done", [self._base(pool)], [token])
@@ -743,8 +554,7 @@ class RedisStateStore(GatewayStateStore):
                             self._notify(gone=[request_id], remember=True)
                         elif kind == "e":
                             self._notify(evicted=[request_id])
-            except (RedisError, OSError, redis_cluster.SlotNotCoveredError, AttributeError, TypeError,
-                    RuntimeError) as exc:
+            except CALL_ERRORS as exc:
                 if not isinstance(exc, RedisError | OSError | redis_cluster.SlotNotCoveredError) and (
                         not redis_cluster.connection_race(exc)):
                     raise
@@ -762,7 +572,7 @@ class RedisStateStore(GatewayStateStore):
 
     async def pool_budget(self, *, pool: str) -> int | None:
         value = (await self.record_fields(pool=pool, field="budget", records=["pool"]))[0]
-        budget = None if value is None else int(_float(value))
+        budget = None if value is None else int(reply_float(value))
         return None if budget is None or budget < 0 else budget
 
     async def ping(self, *, timeout_s: float) -> None:
@@ -770,12 +580,4 @@ class RedisStateStore(GatewayStateStore):
         await asyncio.wait_for(redis_cluster.ping(self.redis), timeout_s)
 
     async def close(self) -> None:
-        if self._calls is not None:
-            await self._calls.aclose()
-        await redis_cluster.close(self.redis)
-
-
-def _usage_minute(usage: UsageKey) -> str:
-    """The release script's minute argument, with the served tier after it: its usage field becomes
-    `tenant|entitlement|minute|tier|kind` (`apps.gateway.usage.usage_counts_parse`) with no change to the script."""
-    return f"{usage.minute}|{usage.service_tier}" if usage.service_tier else str(usage.minute)
+        await self.scripts.close()

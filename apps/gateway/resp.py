@@ -8,7 +8,7 @@ connection: a command is written as it comes, and replies, which Redis sends in 
 settle the callers' futures in that order. Redis runs one command at a time whatever the number of connections,
 so nothing waits longer than it would on a pool.
 
-Failures read as redis-py's, so that `redis_state._store_failure` maps them as it maps the pool's: a refused or
+Failures read as redis-py's, so that `redis_calls.store_failure` maps them as it maps the pool's: a refused or
 lost connection is `ConnectionError`, a reply that does not come within the socket timeout `TimeoutError` (the
 connection is dropped: a later reply could not be told from the next caller's), an error reply its redis-py
 class (READONLY, LOADING, NOSCRIPT, a refused password, the rest `ResponseError`). Used for plain and TLS URLs and Unix sockets of

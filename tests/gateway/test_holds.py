@@ -79,7 +79,7 @@ async def _held(gateway: Any) -> dict[str, float]:
     if isinstance(store, RedisStateStore):
         held["queued"] = int(float((await store.record_fields(pool=entry.pool_name, field="queued",
                                                               records=["pool"]))[0] or 0))
-        holds = await store.redis.hkeys(store._quota_key(str(entry.tenant_id)))
+        holds = await store.redis.hkeys(store._quotas.key(str(entry.tenant_id)))
         held["quota_holds"] = sum(1 for key in holds if key.startswith("h:"))
     return held
 

@@ -397,7 +397,7 @@ def test_a_call_waits_for_a_pooled_connection_and_is_busy_only_past_the_pool_tim
             await asyncio.sleep(0.05)
             began = time.monotonic()
             try:
-                await store._redis(store.redis.llen(f"{store.prefix}empty"))
+                await store.scripts.guarded(store.redis.llen(f"{store.prefix}empty"))
                 busy = False
             except StateStoreBusy:
                 busy = True
@@ -405,7 +405,7 @@ def test_a_call_waits_for_a_pooled_connection_and_is_busy_only_past_the_pool_tim
             await holder
             holder = asyncio.create_task(store.redis.blpop([f"{store.prefix}nothing"], 0.1))  # now 0.1 s only
             await asyncio.sleep(0.02)
-            handed = await store._redis(store.redis.llen(f"{store.prefix}empty"))  # waits for that release
+            handed = await store.scripts.guarded(store.redis.llen(f"{store.prefix}empty"))  # waits for that release
             await holder
             return busy, handed, waited
         finally:

@@ -16,7 +16,8 @@ import redis
 import uvloop
 from redis.exceptions import ConnectionError, ReadOnlyError, ResponseError, TimeoutError
 
-from apps.gateway.redis_state import RedisStateStore, _store_failure
+from apps.gateway.redis_calls import store_failure
+from apps.gateway.redis_state import RedisStateStore
 from apps.gateway.resp import MultiplexedRedis
 from apps.gateway.state import StateStoreUnavailable
 from tests.support.services import free_port, running_redis
@@ -70,7 +71,7 @@ def test_error_replies_are_redis_pys_classes_and_the_connection_goes_on(redis_ur
 
     missing, readonly, pong = asyncio.run(run())
     assert "function not found" in str(missing).lower()
-    assert isinstance(_store_failure(readonly), StateStoreUnavailable)  # a failover's read-only node: a 503
+    assert isinstance(store_failure(readonly), StateStoreUnavailable)  # a failover's read-only node: a 503
     assert pong == "PONG"
 
 
@@ -168,7 +169,7 @@ def test_a_password_and_a_database_in_the_url_are_used() -> None:
             calls = client(f"redis://:wrong@127.0.0.1:{port}/0")
             with pytest.raises(ConnectionError) as wrong:  # redis-py's AuthenticationError: a 503, not a 500
                 await calls.call("PING")
-            assert isinstance(_store_failure(wrong.value), StateStoreUnavailable)
+            assert isinstance(store_failure(wrong.value), StateStoreUnavailable)
 
         asyncio.run(refused())
 
@@ -177,9 +178,9 @@ def test_urls_it_does_not_speak_stay_with_redis_py(redis_url: str) -> None:
     assert MultiplexedRedis.from_url("redis://127.0.0.1:6379/0?socket_keepalive=true", timeout_s=1.0) is None
     assert MultiplexedRedis.from_url("unix:///tmp/redis.sock?db=2", timeout_s=1.0) is not None
     store = RedisStateStore(url=redis_url, cluster=False)
-    assert store._calls is not None
+    assert store.scripts.shared is not None
     given = RedisStateStore(client=redis.asyncio.Redis.from_url(redis_url, decode_responses=True))
-    assert given._calls is None
+    assert given.scripts.shared is None
     asyncio.run(store.close())
     asyncio.run(given.close())
 
