@@ -210,7 +210,7 @@ bench-scale-out: venv system-deps
 	$(BIN)/python -m bench.scale_out --write-results
 
 bench-gateway: venv system-deps litellm-venv
-	$(BIN)/python -m bench.gateway --write-results $(if $(BASELINE),--baseline $(BASELINE))
+	$(BIN)/python -m bench.gateway --write-results $(if $(BASELINE),--baseline $(BASELINE)) $(if $(CPU_IDLE),--cpu-idle $(CPU_IDLE))
 
 # guidellm's concurrent profile at 8 streams against a guaranteed entitlement of concurrency 4, with its queue
 # and without (bench/RESULTS.md), on the in-process store and on Redis with `serve --workers 2`.

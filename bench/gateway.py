@@ -5,6 +5,7 @@ through LiteLLM's proxy, measured with wrk in one run.
                             [--request-log on|off|both] [--stores memory redis] [--redis-core 1 0 any]
                             [--redis-socket tcp unix] [--neighbours paused|running]
                             [--ticks own-process|gateway|both]
+                            [--cpu-idle halt|poll]
                             [--write-results]
 
 The upstream is nginx answering every OpenAI call with a fixed body (it is what the proxies are measured
@@ -52,6 +53,7 @@ import httpx
 import redis
 
 from bench.baseline import source_tree
+from bench.cpu_idle import MODES, IdleStatesUnavailable, idle_states
 from bench.otlp_sink import OtlpSink
 from bench.results import machine_description, save_rows, write_section
 from tests.support.manifests import documents, entitlement, tiny_pool
@@ -74,6 +76,7 @@ LITELLM_MASTER_KEY = "sk-bench-" + secrets.token_hex(16)
 SERVER_CORE = "0"
 OTEL_SUFFIX = " +otel"
 LOADGEN_CORE = "1"
+CPU_IDLE_WORDS = {"halt": "halt as configured", "poll": "poll (a PM QoS request of 0 us held: bench/cpu_idle.py)"}
 
 
 PACED_STREAMS = 32
@@ -442,9 +445,10 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         f" --request-log {args.request_log} --stores {' '.join(args.stores)} --rounds {args.rounds}"
         f"{f' --extra-entitlements {args.extra_entitlements}' if args.extra_entitlements else ''}"
         f" --redis-core {' '.join(args.redis_core)} --redis-socket {' '.join(args.redis_socket)}"
-        f" --neighbours {args.neighbours}`  ",
+        f" --neighbours {args.neighbours} --cpu-idle {args.cpu_idle}`  ",
         f"Machine: {machine_description()}; proxy pinned to core {SERVER_CORE}, nginx + wrk on core {LOADGEN_CORE}, "
-        f"Redis on core(s) {' / '.join(args.redis_core)} over {' / '.join(args.redis_socket)} (any: unpinned)  ",
+        f"Redis on core(s) {' / '.join(args.redis_core)} over {' / '.join(args.redis_socket)} (any: unpinned); "
+        f"idle cores {CPU_IDLE_WORDS[args.cpu_idle]}  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "Upstream: nginx returning a fixed chat completion (instant). Added latency = proxy minus direct at the "
@@ -652,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--otel", action="store_true",
                         help="also measure this commit with tracing on, every span exported over OTLP/HTTP to a "
                              "local sink (bench/otlp_sink.py), side by side with it off")
+    parser.add_argument("--cpu-idle", choices=MODES, default="halt",
+                        help="halt: the machine's idle states as configured; poll: idle cores poll instead of "
+                             "halting while everything is measured (a PM QoS request, bench/cpu_idle.py; root)")
     parser.add_argument("--write-results", action="store_true", help="rewrite the section in bench/RESULTS.md")
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None or shutil.which("nginx") is None:
@@ -660,6 +667,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_litellm and not LITELLM.exists():
         print(f"{LITELLM} is missing: run `make litellm-venv` or pass --no-litellm", file=sys.stderr)
         return 2
+    try:
+        with idle_states(args.cpu_idle):
+            rows = measure_all(args)
+    except IdleStatesUnavailable as exc:
+        print(f"bench.gateway --cpu-idle poll: {exc}", file=sys.stderr)
+        return 2
+    text = report(rows, args)
+    print(text)
+    save_rows("gateway", rows)
+    if args.write_results:
+        write_section("Gateway overhead (`make bench-gateway`)", text)
+    return 0
+
+
+def measure_all(args: argparse.Namespace) -> list[Measurement]:
+    """Direct, every site and LiteLLM, in that order, each against the same nginx upstream."""
     rows: list[Measurement] = []
     with tempfile.TemporaryDirectory(prefix="tokenpools-bench-") as tmp:
         workdir = Path(tmp)
@@ -686,12 +709,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_litellm:
                 with litellm_proxy(upstream, workdir) as url:
                     rows += measure("litellm", url, LITELLM_MASTER_KEY, args, workdir)
-    text = report(rows, args)
-    print(text)
-    save_rows("gateway", rows)
-    if args.write_results:
-        write_section("Gateway overhead (`make bench-gateway`)", text)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

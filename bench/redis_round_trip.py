@@ -16,6 +16,7 @@ import time
 import uvloop
 
 from apps.gateway.resp import MultiplexedRedis
+from bench.cpu_idle import MODES, idle_states
 from bench.gateway import pin_redis
 from bench.policy import percentile
 from tests.support.services import running_redis
@@ -44,15 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--gaps-ms", type=float, nargs="+", default=[20.0, 2.0, 0.0])
     parser.add_argument("--redis-cores", nargs="+", default=["1", "0"])
+    parser.add_argument("--cpu-idle", nargs="+", choices=MODES, default=["halt"],
+                        help="idle cores halt (as configured) or poll (bench/cpu_idle.py; root); several: each in turn")
     args = parser.parse_args(argv)
     os.sched_setaffinity(0, {0})  # the gateway's core
-    print("| Redis on core | gap between calls | PING p50 us | p90 us |\n|---|---:|---:|---:|")
+    print("| idle cores | Redis on core | gap between calls | PING p50 us | p90 us |\n|---|---|---:|---:|---:|")
     for core in args.redis_cores:
         with running_redis() as url:
             pin_redis(url, core)
-            for gap_ms in args.gaps_ms:
-                took = uvloop.run(round_trips(url, args.calls, gap_ms / 1000))
-                print(f"| {core} | {gap_ms:g} ms | {percentile(took, 0.5):.0f} | {percentile(took, 0.9):.0f} |")
+            for mode in args.cpu_idle:
+                with idle_states(mode):
+                    for gap_ms in args.gaps_ms:
+                        took = uvloop.run(round_trips(url, args.calls, gap_ms / 1000))
+                        print(f"| {mode} | {core} | {gap_ms:g} ms | {percentile(took, 0.5):.0f} | "
+                              f"{percentile(took, 0.9):.0f} |")
     return 0
 
 
