@@ -10,6 +10,7 @@ Loops (each logged and tried again next period when it fails):
 - usage records flushed to the database, and releases the store could not take retried;
 - the request log's records to the database (with a shared store, to its Redis list every second first);
 - always: other processes' starts, expiries and evictions delivered to this process (shared stores).
+- the store view: what the store holds, every process together, for /metrics (store_view.py).
 
 The ticks of the control plane that need this gateway's in-process store (the debt/burst EWMA) reach it through
 `store_call`, handed to the in-process ticker by `tick_services()` at the server's start: no module global
@@ -20,9 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from apps.gateway.budget import PoolBudget, aimd_tick_all
@@ -30,6 +30,7 @@ from apps.gateway.control import ControlState, aimd_tick_shared
 from apps.gateway.request_log import PUSH_S as REQUEST_LOG_PUSH_S
 from apps.gateway.routing import probe_replicas
 from apps.gateway.state import StateStoreUnavailable
+from apps.gateway.store_view import STORE_VIEW_S, StoreView
 from apps.gateway.ticks import (
     STORE_CALL_TIMEOUT_S,
     StoreUnavailable,
@@ -40,7 +41,6 @@ from apps.gateway.ticks import (
     ticks_mode,
 )
 from apps.policy import EntitlementLimits, EntitlementState
-from apps.policy.admission import request_priority
 
 if TYPE_CHECKING:
     from apps.gateway.app import Gateway
@@ -50,16 +50,6 @@ logger = logging.getLogger(__name__)
 # With a shared store, how often this process's TTFT counts go to the pool's shared window.
 TTFT_FLUSH_S = 1.0
 RELEASE_RETRY_S = 1.0
-# How often the store's own in-flight counts are read for /metrics.
-STORE_VIEW_S = 1.0
-# Entitlements whose debt, burst and priority one store view reads beside those with requests in flight: a
-# slice that turns over (with 10,000 entitlements each idle one is read every 20 s). Reading all of them every
-# second cost an idle gateway on Redis 10,000 round trips a second (more than half a core).
-STORE_VIEW_IDLE_READS = 500
-# Reads of the in-process store in one turn of the event loop before the view lets requests run.
-STORE_VIEW_READS_PER_TURN = 50
-# (owner: entitlement name or tenant slug, unit) -> (used, reserved, limit)
-QuotaView = dict[tuple[str, str], tuple[float, float, float]]
 
 
 class BackgroundLoops:
@@ -71,20 +61,9 @@ class BackgroundLoops:
         # The event loop the gateway runs on (set at start): its in-process store is only safe to touch there.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.tasks: list[asyncio.Task] = []
-        # The store's own in-flight counts (pool, entitlement) -> n, refreshed every STORE_VIEW_S for /metrics.
-        self.store_in_flight: dict[tuple[str, ...], float] = {}
-        # (pool, entitlement) -> (debt, burst, priority of a request now), as last read from the store.
-        self.store_dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
-        self._idle_cursor: dict[str, int] = {}  # pool -> where the next slice of idle entitlements starts
-        self._pool_index: dict[str, tuple[Any, dict[str, EntitlementLimits]]] = {}
-        self._viewed_snapshot: Any = None  # the snapshot the last store view read
-        self._busy_keys: set[tuple[str, ...]] = set()  # those the last store view found busy
-        self._quota_entries: list[Any] = []  # the snapshot's keys whose quotas the store view reads, one each
+        # What the store holds, every process together, refreshed every STORE_VIEW_S for /metrics.
+        self.view = StoreView()
         self._bound: tuple[Any, dict[str, list[EntitlementLimits]]] | None = None  # (snapshot, its Bound ones)
-        # (entitlement, unit) -> (used, reserved, limit) of the entitlement's own quota in the current window,
-        # and (tenant slug, unit) -> the same of a tenant's shared quota: once per tenant, not per entitlement.
-        self.store_quotas: QuotaView = {}
-        self.store_tenant_quotas: QuotaView = {}
 
     def start(self) -> None:
         gateway = self.gateway
@@ -268,112 +247,8 @@ class BackgroundLoops:
         return 0 if log is None else await log.flush()
 
     async def store_view(self) -> None:
-        """What the store holds, every process together (`gateway_store_in_flight`): unlike this process's own
-        gauges, a reservation nobody will release shows here. Its cost is that of the entitlements with requests
-        in flight and a turning slice of the idle ones, whatever the number of entitlements."""
-        gateway = self.gateway
-        snapshot = gateway.snapshots.current
-        if gateway.store is None or snapshot is None:
-            return
-        self._new_snapshot_view(snapshot)
-        # What this view read: applied to the published views at the end, in place (what it costs is what was
-        # busy and the slice read, not every entitlement), or not at all when the store is away.
-        in_flight: dict[tuple[str, ...], float] = {}
-        dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
-        store = gateway.store
-        try:
-            for pool in list(snapshot.pools.values()):
-                by_id = self._index(pool)
-                busy = {name: count for name, count in (await store.in_flight(pool=pool)).items() if name in by_id}
-                for name, count in busy.items():
-                    in_flight[(pool.name, name)] = float(count)
-                chosen = self._entitlements_to_read(pool, busy)
-                read = await store.dynamics(pool=pool.name, entitlements=[limits.entitlement_id for limits in chosen])
-                for index, limits in enumerate(chosen, 1):
-                    state = read[limits.entitlement_id]
-                    priority = request_priority(limits.traits, limits.slo_target_ms, pool.mean_slo_ms, state.burst,
-                                                state.debt, store.config)
-                    dynamics[(pool.name, limits.entitlement_id)] = (state.debt, state.burst, priority)
-                    if index % STORE_VIEW_READS_PER_TURN == 0:
-                        await asyncio.sleep(0)  # let requests in between
-            quotas, tenant_quotas = await self._quota_view()
-        except StateStoreUnavailable:
-            return  # keep the last view: the store's own state did not change by being unreachable
-        # Every entitlement of the snapshot is listed (at 0 unless the store holds requests of it): the ones busy
-        # last time and not now go back to 0. Values change in place; keys only with a new snapshot (and the
-        # dynamics of an entitlement read for the first time), so a scrape copying the view sees one whole view.
-        view = self.store_in_flight
-        for key in self._busy_keys - in_flight.keys():
-            view[key] = 0.0
-        view.update(in_flight)
-        self._busy_keys = set(in_flight)
-        self.store_dynamics.update(dynamics)
-        self.store_quotas, self.store_tenant_quotas = quotas, tenant_quotas
-
-    def _new_snapshot_view(self, snapshot: Any) -> None:
-        """On a new snapshot, the views list its entitlements: every (pool, entitlement) pair at 0 in flight, and
-        the last readings of those it still holds (the others' are dropped). Once per snapshot."""
-        if snapshot is self._viewed_snapshot:
-            return
-        self._viewed_snapshot = snapshot
-        held = [(pool.name, limits.entitlement_id) for pool in snapshot.pools.values() for limits in pool.entitlements]
-        self.store_in_flight = dict.fromkeys(held, 0.0)
-        self._busy_keys = set()
-        self.store_dynamics = {key: value for key, value in self.store_dynamics.items()
-                               if key in self.store_in_flight}
-        # The entitlements whose quotas the view reads: one key each (a quota is the entitlement's, not the key's).
-        seen: set[str] = set()
-        self._quota_entries = []
-        for entry in snapshot.keys.values():
-            if entry.quotas and entry.entitlement not in seen:
-                seen.add(entry.entitlement)
-                self._quota_entries.append(entry)
-
-    def _entitlements_to_read(self, pool: Any, busy: Mapping[str, int]) -> list[EntitlementLimits]:
-        """The pool's entitlements whose dynamics this view reads: all of a pool of up to `STORE_VIEW_IDLE_READS`;
-        of a larger one, a turning slice of that many plus those with requests in flight (`busy`). The cost
-        stays that of the slice and the busy ones, whatever the pool's size (the others keep their last
-        reading)."""
-        entitlements = pool.entitlements
-        size = len(entitlements)
-        if size <= STORE_VIEW_IDLE_READS:
-            return list(entitlements)
-        start = self._idle_cursor.get(pool.name, 0) % size
-        self._idle_cursor[pool.name] = start + STORE_VIEW_IDLE_READS
-        chosen = list(entitlements[start:start + STORE_VIEW_IDLE_READS])
-        if start + STORE_VIEW_IDLE_READS > size:
-            chosen += entitlements[:start + STORE_VIEW_IDLE_READS - size]
-        in_slice = {limits.entitlement_id for limits in chosen}
-        by_id = self._index(pool)
-        chosen += [by_id[name] for name in busy if name not in in_slice]
-        return chosen
-
-    def _index(self, pool: Any) -> dict[str, EntitlementLimits]:
-        """The pool's entitlements by name, built once per snapshot of the pool."""
-        cached = self._pool_index.get(pool.name)
-        if cached is None or cached[0] is not pool:
-            cached = self._pool_index[pool.name] = (pool, {limits.entitlement_id: limits
-                                                           for limits in pool.entitlements})
-        return cached[1]
-
-    async def _quota_view(self) -> tuple[QuotaView, QuotaView]:
-        """Each quota'd entitlement's own quota and each tenant's shared one, as the store holds them now
-        (every process together). A tenant's quota is one number whichever entitlement reads it: it is kept
-        once, under the tenant, so that a sum over entitlements cannot count it twice."""
-        store = self.gateway.store
-        assert store is not None
-        now = dt.datetime.now(dt.UTC)
-        own: QuotaView = {}
-        shared: QuotaView = {}
-        for entry in self._quota_entries:
-            charges = [rule.charge_at(now) for rule in entry.quotas]
-            for standing in await store.quota_standings(scope=str(entry.tenant_id), charges=charges):
-                charge = standing.charge
-                if charge.key == "tenant":
-                    shared[(entry.tenant_slug, charge.unit)] = (standing.used, standing.reserved, charge.limit)
-                else:
-                    own[(entry.entitlement, charge.unit)] = (standing.used, standing.reserved, charge.limit)
-        return own, shared
+        """What the store holds, every process together (apps.gateway.store_view)."""
+        await self.view.refresh(self.gateway.store, self.gateway.snapshots.current)
 
     async def retry_releases(self) -> int:
         return await self.gateway.accountant.retry_pending()
@@ -480,33 +355,6 @@ class BackgroundLoops:
         add("gateway_pending_releases", "Releases not in the state store yet: on their way (the answer's end does "
             "not wait for them), or deferred while it is away (retried every second).",
             (), lambda: {(): float(len(gateway.accountant.unreleased())) if hasattr(gateway, "accountant") else 0.0})
-        def dynamics(index: int) -> Callable[[], dict[tuple[str, ...], float]]:
-            # A copy first (one step, under the interpreter's lock): the store view adds keys on the event loop.
-            return lambda: {key: values[index] for key, values in dict(self.store_dynamics).items()}
-
-        for index, (name, text) in enumerate((
-                ("tokenpools_entitlement_debt", "Service debt (seed 000, (2)) as the state store holds it."),
-                ("tokenpools_entitlement_burst", "Burst (seed 000, (3)) as the state store holds it."),
-                ("tokenpools_entitlement_priority", "Priority weight (seed 000, (1)) a request would get now."))):
-            add(name, text, ("pool", "entitlement"), dynamics(index))
-        def quota(shared: bool, index: int, tokens: bool) -> Callable[[], dict[tuple[str, ...], float]]:
-            def collect() -> dict[tuple[str, ...], float]:
-                view = self.store_tenant_quotas if shared else self.store_quotas
-                return {(owner,) if tokens else (owner, unit): values[index]
-                        for (owner, unit), values in view.items() if (unit == "tokens") == tokens}
-            return collect
-
-        for shared, (family, label, whose) in enumerate((
-                ("tokenpools_entitlement_quota", "entitlement", "the entitlement's own quota"),
-                ("tokenpools_tenant_quota", "tenant", "the tenant's shared quota (once per tenant)"))):
-            for index, what in enumerate(("used", "reserved", "limit")):
-                text = {"used": "used by finished requests", "reserved": "reserved by requests running now",
-                        "limit": "the limit"}[what]
-                add(f"{family}_{what}_tokens", f"{whose.capitalize()} in the current window, {text} (the state "
-                    "store, every process).", (label,), quota(bool(shared), index, tokens=True))
-                add(f"{family}_{what}_amount", f"{whose.capitalize()} in money in the current window, {text}, in "
-                    "its currency.", (label, "currency"), quota(bool(shared), index, tokens=False))
-        add("gateway_store_in_flight", "Requests the state store holds in flight (every process together), "
-            "as last read.", ("pool", "entitlement"), lambda: dict(self.store_in_flight))
+        self.view.register_gauges(add)
         add("tokenpools_pool_desired_replicas", "Replicas the pool should run (autoscaling signal).", ("pool",),
             desired_replicas_gauge)

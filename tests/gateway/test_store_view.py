@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from apps.gateway import background
+from apps.gateway import store_view
 from apps.gateway.app import Gateway
 from apps.gateway.memory_state import MemoryStateStore
 from apps.policy import EntitlementLimits
@@ -16,13 +16,13 @@ from apps.policy import EntitlementLimits
 
 def test_a_large_pool_is_read_a_slice_at_a_time_and_busy_entitlements_every_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(background, "STORE_VIEW_IDLE_READS", 2)
+    monkeypatch.setattr(store_view, "STORE_VIEW_IDLE_READS", 2)
     loops = Gateway(store=MemoryStateStore()).loops
     pool = SimpleNamespace(name="p", entitlements=[
         EntitlementLimits(entitlement_id=f"e{i}", service_class="spot") for i in range(5)])
 
     def read(busy: set[str]) -> set[str]:
-        return {limits.entitlement_id for limits in loops._entitlements_to_read(pool, dict.fromkeys(busy, 1))}
+        return {limits.entitlement_id for limits in loops.view.entitlements_to_read(pool, dict.fromkeys(busy, 1))}
 
     assert read(set()) == {"e0", "e1"}
     assert read(set()) == {"e2", "e3"}
@@ -32,8 +32,8 @@ def test_a_large_pool_is_read_a_slice_at_a_time_and_busy_entitlements_every_time
 
 def test_the_store_view_keeps_the_last_reading_of_entitlements_it_does_not_read(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(background, "STORE_VIEW_IDLE_READS", 2)
-    monkeypatch.setattr(background, "STORE_VIEW_READS_PER_TURN", 1)
+    monkeypatch.setattr(store_view, "STORE_VIEW_IDLE_READS", 2)
+    monkeypatch.setattr(store_view, "STORE_VIEW_READS_PER_TURN", 1)
     gateway = Gateway(store=MemoryStateStore())
     pool = SimpleNamespace(name="p", mean_slo_ms=1000.0, entitlements=[
         EntitlementLimits(entitlement_id=f"e{i}", service_class="spot") for i in range(5)])
@@ -42,12 +42,12 @@ def test_the_store_view_keeps_the_last_reading_of_entitlements_it_does_not_read(
     seen: list[set[str]] = []
     for _ in range(3):
         asyncio.run(gateway.loops.store_view())
-        seen.append({key[1] for key in gateway.loops.store_dynamics})
+        seen.append({key[1] for key in gateway.loops.view.dynamics})
     assert seen == [{"e0", "e1"}, {"e0", "e1", "e2", "e3"}, {f"e{i}" for i in range(5)}]
     pool.entitlements = pool.entitlements[1:]  # a new snapshot without e0: its reading goes
     monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools={"p": pool}, keys={}))
     asyncio.run(gateway.loops.store_view())
-    assert {key[1] for key in gateway.loops.store_dynamics} == {f"e{i}" for i in range(1, 5)}
+    assert {key[1] for key in gateway.loops.view.dynamics} == {f"e{i}" for i in range(1, 5)}
 
 
 def test_the_in_flight_view_counts_the_busy_entitlements_and_lists_the_others_at_zero(
@@ -71,17 +71,17 @@ def test_the_in_flight_view_counts_the_busy_entitlements_and_lists_the_others_at
         offer = await store.offer(limits=entitlements[1], pool=pool,
                                   request=AdmissionRequest("r1", input_tokens=5, max_tokens=5))
         await gateway.loops.store_view()
-        views.append(dict(gateway.loops.store_in_flight))
+        views.append(dict(gateway.loops.view.in_flight))
         assert offer.reservation is not None
         await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=5)
         await gateway.loops.store_view()
-        views.append(dict(gateway.loops.store_in_flight))
+        views.append(dict(gateway.loops.view.in_flight))
         return views
 
     busy, after = asyncio.run(run())
     assert busy == {("p", "e0"): 0.0, ("p", "e1"): 1.0, ("p", "e2"): 0.0}
     assert after == {("p", "e0"): 0.0, ("p", "e1"): 0.0, ("p", "e2"): 0.0}
-    assert {key[1] for key in gateway.loops.store_dynamics} == {"e0", "e1", "e2"}
+    assert {key[1] for key in gateway.loops.view.dynamics} == {"e0", "e1", "e2"}
 
 
 def test_a_store_view_cut_short_by_an_outage_leaves_the_last_whole_view(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,16 +115,16 @@ def test_a_store_view_cut_short_by_an_outage_leaves_the_last_whole_view(monkeypa
                                             request=AdmissionRequest(f"r-{name}", input_tokens=5, max_tokens=5)))
         views = []
         await gateway.loops.store_view()
-        views.append(dict(gateway.loops.store_in_flight))
+        views.append(dict(gateway.loops.view.in_flight))
         for offer in offers:
             assert offer.reservation is not None
             await store.release(reservation=offer.reservation, prompt_tokens=5, completion_tokens=5)
         store.failing = True
         await gateway.loops.store_view()  # p is read (now idle), then q fails: nothing is applied
-        views.append(dict(gateway.loops.store_in_flight))
+        views.append(dict(gateway.loops.view.in_flight))
         store.failing = False
         await gateway.loops.store_view()
-        views.append(dict(gateway.loops.store_in_flight))
+        views.append(dict(gateway.loops.view.in_flight))
         return views
 
     busy, cut_short, whole = asyncio.run(run())
