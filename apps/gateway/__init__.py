@@ -22,7 +22,8 @@ The state behind admission, one interface (state.py) and two implementations:
                     replies), redis_quota.py (tenant quotas), redis_snapshot.py (the snapshots an offer decides
                     on), resp.py (the one connection the calls share), redis_cluster.py (a Redis Cluster)
 
-Around the requests: background.py (the background loops of a running gateway, its gauges, its clean stop),
+Around the requests: background.py (the background loops of a running gateway, its gauges, its clean stop;
+store_view.py, what the store holds every process together, for /metrics),
 budget.py (each pool's AIMD controller of its dispatch budget, seed 002; the budget is a check of the
 state machine), ticks.py (the EWMA and AIMD tick services the
 tick runners call, and the process's control state) and control.py (that state, and the shared AIMD tick), snapshot.py (keys, entitlements and pools
