@@ -4,8 +4,8 @@ At 50 requests/s the gateway's cores sit idle between requests. On this kind of 
 halts (its `haltpoll` cpuidle state): the hypervisor takes the core back, and waking it again costs each hop of a
 request (client to gateway, gateway to Redis, Redis back, gateway to the backend) a few hundred microseconds
 that a busy core does not pay (`python -m bench.redis_round_trip`: a PING 20 ms after the last one against one
-right after). Guides to benchmarking proxies (Envoy's among them) and tuned's `latency-performance` profile
-limit the cores' idle states for that reason. This does it the kernel's documented way for one process: a PM QoS
+right after). Benchmark set-up guides steady the CPU for the same reason (Google Benchmark's "Reducing variance"
+fixes its frequency), and tuned's `latency-performance` profile limits the cores' idle states. This does it the kernel's documented way for one process: a PM QoS
 request of 0 us exit latency written to `/dev/cpu_dma_latency` and held while the file stays open. Idle cores
 then poll instead of halting. The kernel drops the request when the file is closed (also when the process
 dies), so nothing outlives the measurement. It costs power, and it changes the machine for every target alike
