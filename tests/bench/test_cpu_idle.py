@@ -18,7 +18,8 @@ needs_device = pytest.mark.skipif(not os.access(PM_QOS_DEVICE, os.R_OK | os.W_OK
 @needs_device
 def test_poll_holds_a_zero_latency_request_for_the_block_only() -> None:
     before = latency_limit_us()
-    assert before > 0  # nothing else on this machine holds one (else this test could not tell)
+    if before == 0:
+        pytest.skip("another process already holds idle states to 0 us: this test could not tell")
     with idle_states("poll"):
         assert latency_limit_us() == 0
     assert latency_limit_us() == before
