@@ -24,7 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 PM_QOS_DEVICE = Path("/dev/cpu_dma_latency")
-MODES = ("halt", "poll")
+# Each mode, as a report describes the machine it measured.
+MODES = {"halt": "halt as configured", "poll": "poll (a PM QoS request of 0 us held: bench/cpu_idle.py)"}
 
 
 class IdleStatesUnavailable(RuntimeError):

@@ -76,7 +76,6 @@ LITELLM_MASTER_KEY = "sk-bench-" + secrets.token_hex(16)
 SERVER_CORE = "0"
 OTEL_SUFFIX = " +otel"
 LOADGEN_CORE = "1"
-CPU_IDLE_WORDS = {"halt": "halt as configured", "poll": "poll (a PM QoS request of 0 us held: bench/cpu_idle.py)"}
 
 
 PACED_STREAMS = 32
@@ -448,7 +447,7 @@ def report(rows: list[Measurement], args: argparse.Namespace) -> str:
         f" --neighbours {args.neighbours} --cpu-idle {args.cpu_idle}`  ",
         f"Machine: {machine_description()}; proxy pinned to core {SERVER_CORE}, nginx + wrk on core {LOADGEN_CORE}, "
         f"Redis on core(s) {' / '.join(args.redis_core)} over {' / '.join(args.redis_socket)} (any: unpinned); "
-        f"idle cores {CPU_IDLE_WORDS[args.cpu_idle]}  ",
+        f"idle cores {MODES[args.cpu_idle]}  ",
         f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
         "Upstream: nginx returning a fixed chat completion (instant). Added latency = proxy minus direct at the "

@@ -130,17 +130,3 @@ def test_a_store_view_cut_short_by_an_outage_leaves_the_last_whole_view(monkeypa
     busy, cut_short, whole = asyncio.run(run())
     assert busy == cut_short == {("p", "a"): 1.0, ("q", "b"): 1.0}
     assert whole == {("p", "a"): 0.0, ("q", "b"): 0.0}
-
-
-def test_the_ewma_tick_gets_the_bound_entitlements_of_the_current_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
-    from apps.policy import EntitlementState
-
-    gateway = Gateway(store=MemoryStateStore())
-    bound = EntitlementLimits(entitlement_id="b", service_class="spot")
-    pending = EntitlementLimits(entitlement_id="p", service_class="spot", state=EntitlementState.PENDING)
-    first = SimpleNamespace(pools={"p": SimpleNamespace(entitlements=[bound, pending])})
-    monkeypatch.setattr(gateway.snapshots, "current", first)
-    assert gateway.loops.bound_limits() == {"p": [bound]}
-    assert gateway.loops.bound_limits() is gateway.loops.bound_limits()  # built once per snapshot
-    monkeypatch.setattr(gateway.snapshots, "current", SimpleNamespace(pools={"p": SimpleNamespace(entitlements=[])}))
-    assert gateway.loops.bound_limits() == {"p": []}  # a new snapshot: read again
