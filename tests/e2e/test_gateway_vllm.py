@@ -24,6 +24,10 @@ from tests.support.vllm import SERVED_MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+# The thin-budget entitlement's rate; its bucket holds a minute of it (`EntitlementLimits.token_bucket_seconds`).
+THIN_RATE = 4
+THIN_BUCKET = 60 * THIN_RATE
+
 # The seed's Experiment 1 on a 16-slot pool: two guaranteed entitlements of 6 slots and a spot one of 10.
 def manifest(backend_url: str) -> str:
     return documents(
@@ -32,13 +36,14 @@ def manifest(backend_url: str) -> str:
         entitlement("guaranteed-c", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=6),
         entitlement("spot-b", tenant="globex", pool="tiny", service_class="spot", concurrency=10,
                     slo_target_ms=30000),
-        # No queue: its second request is refused at once (what the Retry-After test below needs).
-        entitlement("single-slot", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=1,
-                    tokens_per_second=100_000, kv_cache_gib=0.05, queue_max=0),
+        # A token bucket of 60 s at 4 tokens/s (240 tokens) and no queue: a request its bucket cannot cover is
+        # refused at once, told when the bucket will (what the Retry-After test below needs).
+        entitlement("thin-budget", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=2,
+                    tokens_per_second=THIN_RATE, kv_cache_gib=0.05, queue_max=0),
     )
 
 
-KEYS = ["guaranteed-a", "guaranteed-c", "spot-b", "single-slot"]
+KEYS = ["guaranteed-a", "guaranteed-c", "spot-b", "thin-budget"]
 
 
 @pytest.fixture(scope="module", params=["vllm_backend", "engine_backend"])
@@ -66,27 +71,25 @@ def _in_flight(url: str) -> float:
     return sum(values)
 
 
-# Attempts at catching the holder in its slot: an attempt whose holder was served whole before the second request
-# reached the gateway shows nothing about Retry-After and is made again (about 5 s each).
-ATTEMPTS = 10
-
-# One attempt, in a process of its own, on one event loop: a holder streams from the 1-slot entitlement (argv[3]: its
-# JSON body); at its first chunk, its slot taken and its stream still open, the OpenAI SDK (async, retries on) sends
-# a second request there; both run to their end. Prints JSON: the holder's status, whether the stream was still
-# open when the SDK sent, the SDK's sends and answers (monotonic seconds, status, retry-after-ms), and its content.
-# Why one process: a holder in a process of its own, watched by this test's, lost the race in every one of 20 tries
-# in a CI run of the whole suite. The watching process (pytest, after the module's 22-thread fairness test) sat
-# runnable but unscheduled for as long as the holder streamed (/proc/self/schedstat: 4.0-4.6 s waiting on the run
-# queue for 25 ms of CPU, 2026-11-27, kernel 6.18), so the slot was free again whenever it looked. Here the process
-# that sees the first chunk is the one that sends, and it runs in a session of its own, so in a scheduling group of
-# its own (the kernel's autogroups; vLLM and the site have theirs): in pytest's, the first chunk itself came after the
-# stream had ended in 2 of 3 runs of this module beside two busy loops; in its own, in none of 4.
+# One attempt, in a process of its own (its own session, so its own scheduling group beside the site's and the
+# backend's): a first request draws `p + FIRST_MAX_TOKENS` tokens from the thin-budget bucket; the OpenAI SDK
+# (async, retries on) then asks for `p + bucket - p - MARGIN` tokens, more than the bucket has left but no more
+# than it holds, so the gateway refuses it (429) with the refill time, and the SDK retries after waiting that long.
+# The bucket decides, not a race: the SDK's request is refused however late the first one ended, unless this
+# process stalls for the whole refill (the deficit, p + FIRST_MAX_TOKENS - MARGIN tokens, at THIN_RATE: ~4 s).
+# An earlier version held a concurrency slot with a long stream and sent the second request at its first chunk; on
+# a loaded CI machine the stream could end before this process ran again (10 of 10 attempts lost, 2026-11-28).
+# Prints JSON: the first request's prompt and total tokens, the SDK's sends and answers (monotonic seconds,
+# status, retry-after-ms) and its completion tokens.
+FIRST_MAX_TOKENS = 20
+MARGIN = 10
 SCENARIO = """
 import asyncio, json, sys, time
 import httpx, openai
 
-url, key, body, model = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+url, key, model, bucket, first_max, margin = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7])
 sent, answered = [], []
+messages = [{"role": "user", "content": "hold"}]
 
 async def on_request(request):
     sent.append(time.monotonic())
@@ -95,40 +98,26 @@ async def on_response(response):
     answered.append((time.monotonic(), response.status_code, response.headers.get("retry-after-ms", "")))
 
 async def main():
-    first_chunk, ended = asyncio.Event(), asyncio.Event()
-    holder = {}
-
-    async def hold(client):
-        async with client.stream("POST", url + "/v1/chat/completions", content=body, timeout=120,
-                                 headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"}) as r:
-            holder["status"] = r.status_code
-            async for _chunk in r.aiter_bytes():
-                first_chunk.set()
-        ended.set()
-        first_chunk.set()
-
-    async with httpx.AsyncClient() as plain, httpx.AsyncClient(
-            event_hooks={"request": [on_request], "response": [on_response]}) as hooked:
-        holding = asyncio.create_task(hold(plain))
-        await first_chunk.wait()
-        open_when_sent = not ended.is_set()
-        # Enough retries for the slower backend (our engine on CPU) to finish the holder.
-        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=60, http_client=hooked)
-        result = await sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
-                                                   max_tokens=4)
-        await holding
-    print(json.dumps({"holder": holder.get("status"), "open_when_sent": open_when_sent, "sent": sent,
-                      "answered": answered, "content": result.choices[0].message.content}))
+    plain = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    first = await plain.chat.completions.create(model=model, messages=messages, max_tokens=first_max,
+                                                extra_body={"ignore_eos": True})
+    prompt = first.usage.prompt_tokens
+    async with httpx.AsyncClient(event_hooks={"request": [on_request], "response": [on_response]}) as hooked:
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=5, http_client=hooked)
+        result = await sdk.chat.completions.create(model=model, messages=messages,
+                                                   max_tokens=bucket - prompt - margin,
+                                                   extra_body={"ignore_eos": True})
+    print(json.dumps({"prompt": prompt, "first_total": first.usage.total_tokens, "sent": sent,
+                      "answered": answered, "completion_tokens": result.usage.completion_tokens}))
 
 asyncio.run(main())
 """
 
 
 def _retry_attempt(url: str, key: str) -> dict[str, Any]:
-    body = {"model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": "hold"}],
-            "max_tokens": 1800, "stream": True, "ignore_eos": True}
-    done = subprocess.run([sys.executable, "-c", SCENARIO, url, key, json.dumps(body), SERVED_MODEL_NAME],
-                          capture_output=True, text=True, timeout=180, start_new_session=True)
+    argv = [url, key, SERVED_MODEL_NAME, str(THIN_BUCKET), str(FIRST_MAX_TOKENS), str(MARGIN)]
+    done = subprocess.run([sys.executable, "-c", SCENARIO, *argv], capture_output=True, text=True, timeout=180,
+                          start_new_session=True)
     assert done.returncode == 0, done.stderr[-3000:]
     outcome: dict[str, Any] = json.loads(done.stdout)
     return outcome
@@ -216,22 +205,26 @@ def test_guaranteed_is_protected_while_spot_is_throttled(site: tuple[str, Prepar
 
 
 def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None:
-    """A 1-slot guaranteed entitlement: the second request gets 429 + retry-after-ms and the SDK waits that long."""
+    """A request the entitlement's token bucket cannot cover yet gets 429 + retry-after-ms, the bucket's refill
+    time; the SDK waits that long, resends, and is served."""
     url, prepared = site
-    outcome: dict[str, Any] = {}
-    for _ in range(ATTEMPTS):
-        outcome = _retry_attempt(url, prepared.keys["single-slot"])
-        assert outcome["holder"] == 200, f"the holder was not admitted: {outcome}"
-        if outcome["answered"][0][1] == 429:
-            break
-        # Served at once: the holder had ended by the time the second request reached the gateway. Try again.
+    outcome = _retry_attempt(url, prepared.keys["thin-budget"])
     answered, sent = outcome["answered"], outcome["sent"]
+    print(f"\nretry-after: prompt {outcome['prompt']} tokens, answers {[(s, ms) for _t, s, ms in answered]}, "
+          f"resent after {[round(b - a[0], 3) for a, b in zip(answered, sent[1:])]} s")
     statuses = [status for _t, status, _h in answered]
-    assert statuses[0] == 429, f"in {ATTEMPTS} attempts the second request never found the slot held: {outcome}"
-    assert statuses[-1] == 200 and outcome["content"] is not None, outcome
+    assert outcome["first_total"] == outcome["prompt"] + FIRST_MAX_TOKENS, outcome
+    assert statuses[0] == 429, f"the SDK's request was served although the bucket could not cover it: {outcome}"
+    assert statuses[-1] == 200, outcome
+    assert outcome["completion_tokens"] == THIN_BUCKET - outcome["prompt"] - MARGIN, outcome
     assert len(sent) == len(answered)
+    # The bucket lacked at most the deficit (less what refilled while the first request ran): the wait it asked
+    # for is no longer than that deficit's refill (retry-after-ms rounds up to the millisecond).
+    deficit = outcome["first_total"] - MARGIN
+    first_retry_ms = float(answered[0][2])
+    assert 0 < first_retry_ms <= 1000 * deficit / THIN_RATE + 1, outcome
     for index, (t_rejected, status, retry_ms) in enumerate(answered[:-1]):
-        if status == 429:
-            assert retry_ms and float(retry_ms) > 0
-            # The SDK slept for what the gateway asked (it honours retry-after-ms up to 60 s) before resending.
-            assert sent[index + 1] - t_rejected >= 0.8 * float(retry_ms) / 1000
+        assert status == 429 and retry_ms and float(retry_ms) > 0, outcome
+        # The SDK slept for what the gateway asked (it honours retry-after-ms up to 60 s) before resending.
+        assert sent[index + 1] - t_rejected >= 0.8 * float(retry_ms) / 1000, outcome
+
