@@ -52,7 +52,7 @@ from apps.gateway.redis_args import (
 from apps.gateway.redis_calls import CALL_ERRORS, MAX_CONNECTIONS, POOL_TIMEOUT_S, ScriptCalls
 from apps.gateway.redis_quota import RedisQuotas
 from apps.gateway.redis_snapshot import MARK, KeptSnapshots, fingerprint, read_snapshot, standing_args
-from apps.gateway.snapshot import PoolInfo
+from apps.gateway.snapshot import EntitlementIndex, PoolInfo
 from apps.gateway.state import (
     REJECTED,
     GatewayStateStore,
@@ -119,7 +119,7 @@ class RedisStateStore(GatewayStateStore):
         self.redis: Any = self.scripts.redis
         self._quotas = RedisQuotas(call=self._call, prefix=prefix, now=self._now)
         self._queue_arg_cache: dict[int, tuple[EntitlementLimits, str]] = {}
-        self._tick_index: dict[str, tuple[Sequence[EntitlementLimits], dict[str, EntitlementLimits]]] = {}
+        self._tick_index = EntitlementIndex()
         # Admissions to one pool from this process go one at a time, so compare-and-set conflicts
         # only come from other processes (a retry storm among our own tasks would be pure waste).
         self._pool_locks: dict[str, asyncio.Lock] = {}
@@ -450,7 +450,7 @@ class RedisStateStore(GatewayStateStore):
     ) -> dict[str, dict[str, WindowReading]]:
         by_pool: dict[str, dict[str, WindowReading]] = {}
         for pool, pool_limits in entitlements.items():
-            by_name = self._by_name(pool, pool_limits)
+            by_name = self._tick_index.of(pool, pool_limits)
             if not by_name:
                 continue
             raw = await self._call("tick", [self._base(pool)], [self._now()])
@@ -475,13 +475,6 @@ class RedisStateStore(GatewayStateStore):
             if updates:
                 await self._call("dynamics", [self._base(pool)], updates)
         return by_pool
-
-    def _by_name(self, pool: str, pool_limits: Sequence[EntitlementLimits]) -> dict[str, EntitlementLimits]:
-        """The pool's entitlements by name, built once for one sequence of them (the snapshot's, every tick)."""
-        cached = self._tick_index.get(pool)
-        if cached is None or cached[0] is not pool_limits:
-            cached = self._tick_index[pool] = (pool_limits, {limits.entitlement_id: limits for limits in pool_limits})
-        return cached[1]
 
     # --- reads ------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import concurrent.futures
 import datetime as dt
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -51,6 +51,22 @@ class PoolInfo:
             if name == service_class:
                 return objective
         return f"tokenpools-{service_class}"
+
+
+class EntitlementIndex:
+    """Each pool's entitlements by id, built again only when the pool's sequence of them is a new one (a new
+    snapshot): the store's tick and the store view look entitlements up by id every second."""
+
+    __slots__ = ("_built",)
+
+    def __init__(self) -> None:
+        self._built: dict[str, tuple[Sequence[EntitlementLimits], dict[str, EntitlementLimits]]] = {}
+
+    def of(self, pool: str, entitlements: Sequence[EntitlementLimits]) -> dict[str, EntitlementLimits]:
+        built = self._built.get(pool)
+        if built is None or built[0] is not entitlements:
+            built = self._built[pool] = (entitlements, {limits.entitlement_id: limits for limits in entitlements})
+        return built[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import datetime as dt
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from apps.gateway.snapshot import EntitlementIndex
 from apps.gateway.state import GatewayStateStore, StateStoreUnavailable
 from apps.policy import EntitlementLimits
 from apps.policy.admission import request_priority
@@ -38,7 +39,7 @@ class StoreView:
         self.quotas: QuotaView = {}
         self.tenant_quotas: QuotaView = {}
         self._idle_cursor: dict[str, int] = {}  # pool -> where the next slice of idle entitlements starts
-        self._pool_index: dict[str, tuple[Any, dict[str, EntitlementLimits]]] = {}
+        self._pool_index = EntitlementIndex()
         self._viewed_snapshot: Any = None  # the snapshot the last view read
         self._busy_keys: set[tuple[str, ...]] = set()  # those the last view found busy
         self._quota_entries: list[Any] = []  # the snapshot's keys whose quotas the view reads, one each
@@ -55,7 +56,7 @@ class StoreView:
         dynamics: dict[tuple[str, ...], tuple[float, float, float]] = {}
         try:
             for pool in list(snapshot.pools.values()):
-                by_id = self._index(pool)
+                by_id = self._pool_index.of(pool.name, pool.entitlements)
                 busy = {name: count for name, count in (await store.in_flight(pool=pool)).items() if name in by_id}
                 for name, count in busy.items():
                     in_flight[(pool.name, name)] = float(count)
@@ -116,17 +117,9 @@ class StoreView:
         if start + STORE_VIEW_IDLE_READS > size:
             chosen += entitlements[:start + STORE_VIEW_IDLE_READS - size]
         in_slice = {limits.entitlement_id for limits in chosen}
-        by_id = self._index(pool)
+        by_id = self._pool_index.of(pool.name, pool.entitlements)
         chosen += [by_id[name] for name in busy if name not in in_slice]
         return chosen
-
-    def _index(self, pool: Any) -> dict[str, EntitlementLimits]:
-        """The pool's entitlements by name, built once per snapshot of the pool."""
-        cached = self._pool_index.get(pool.name)
-        if cached is None or cached[0] is not pool:
-            cached = self._pool_index[pool.name] = (pool, {limits.entitlement_id: limits
-                                                           for limits in pool.entitlements})
-        return cached[1]
 
     async def _quota_view(self, store: GatewayStateStore) -> tuple[QuotaView, QuotaView]:
         """Each quota'd entitlement's own quota and each tenant's shared one, as the store holds them now

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from apps.gateway.config import GatewayConfig
-from apps.gateway.snapshot import SnapshotCache, snapshot_load
+from apps.gateway.snapshot import EntitlementIndex, SnapshotCache, snapshot_load
+from apps.policy import EntitlementLimits
 from apps.pools.services import entitlement_update
 from apps.tenancy.services import apikey_create, apikey_revoke
 from tests.pools.factories import make_entitlement, make_pool
@@ -149,3 +150,14 @@ def test_the_entitlements_queue_reaches_the_policy_and_blank_takes_the_class_def
     assert snapshot_load(config=config).pools["tiny"].entitlements[0].own_queue_max == 0  # the pool's view too
     entitlement_update(actor=admin, entitlement=key.entitlement, queue_max=3)
     assert entry().limits.own_queue_max == 3
+
+
+def test_entitlement_index_is_built_again_only_for_a_new_sequence_of_the_pool_s_entitlements() -> None:
+    index = EntitlementIndex()
+    first = (EntitlementLimits("a", service_class="spot"), EntitlementLimits("b", service_class="guaranteed"))
+    by_id = index.of("tiny", first)
+    assert {name: limits.service_class.value for name, limits in by_id.items()} == {"a": "spot", "b": "guaranteed"}
+    assert index.of("tiny", first) is by_id  # the same snapshot's sequence: not built again
+    assert index.of("other", ()) == {}  # pools are kept apart
+    second = (EntitlementLimits("c", service_class="elastic"),)
+    assert list(index.of("tiny", second)) == ["c"]  # a new snapshot's sequence: built again
