@@ -211,7 +211,7 @@ def test_sdk_retry_waits_for_retry_after(site: tuple[str, PreparedSite]) -> None
     outcome = _retry_attempt(url, prepared.keys["thin-budget"])
     answered, sent = outcome["answered"], outcome["sent"]
     print(f"\nretry-after: prompt {outcome['prompt']} tokens, answers {[(s, ms) for _t, s, ms in answered]}, "
-          f"resent after {[round(b - a[0], 3) for a, b in zip(answered, sent[1:])]} s")
+          f"resent after {[round(b - a[0], 3) for a, b in zip(answered[:-1], sent[1:], strict=True)]} s")
     statuses = [status for _t, status, _h in answered]
     assert outcome["first_total"] == outcome["prompt"] + FIRST_MAX_TOKENS, outcome
     assert statuses[0] == 429, f"the SDK's request was served although the bucket could not cover it: {outcome}"
