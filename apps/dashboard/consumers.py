@@ -30,15 +30,10 @@ from django.http import Http404
 
 from apps.dashboard import overview_selectors, selectors
 from apps.dashboard.figures import live_payload_history, live_payload_update
+from apps.dashboard.history import history_store
 from apps.dashboard.overview_figures import overview_payload
-from apps.dashboard.telemetry import (
-    PoolSample,
-    ensure_local_sampler,
-    history_store,
-    pool_group,
-    sample_visible,
-    samples_visible,
-)
+from apps.dashboard.samples import PoolSample, sample_visible, samples_visible
+from apps.dashboard.telemetry import ensure_local_sampler, pool_group
 
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403

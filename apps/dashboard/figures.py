@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apps.dashboard.colors import PALETTE, entitlement_colors
-from apps.dashboard.telemetry import EntitlementPoint, PoolSample
+from apps.dashboard.samples import EntitlementPoint, PoolSample
 
 Figure = dict[str, Any]
 ValueOf = Callable[[PoolSample], float | None]

@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from apps.dashboard.telemetry import PoolSample
+from apps.dashboard.samples import PoolSample
 from apps.policy import jain_fairness
 
 WINDOW_S = 15 * 60

@@ -18,7 +18,7 @@ from django.db.models import Count, Q
 from django.db.models.functions import TruncMinute
 
 from apps.dashboard import overview
-from apps.dashboard.telemetry import PoolSample, Visibility, samples_visible
+from apps.dashboard.samples import PoolSample, Visibility, samples_visible
 from apps.gateway.models import RequestLogRecord, RequestOutcome
 from apps.gateway.quotas import entitlement_quota_status, quota_used, tenant_quota_status
 from apps.pools import selectors as pool_selectors
@@ -159,7 +159,7 @@ def _slo(*, entitlements: Any, since: dt.datetime) -> list[overview.SloAttainmen
 
 async def pool_histories(pools: Sequence[str]) -> dict[str, list[PoolSample]]:
     """The recent samples of each pool (the telemetry history: in process or Redis)."""
-    from apps.dashboard.telemetry import history_store
+    from apps.dashboard.history import history_store
 
     store = history_store()
     return {pool: await store.recent(pool) for pool in pools}

@@ -134,7 +134,7 @@ class LiveAccess:
     series are drawn (None: all of them, operators) and the figures shown."""
 
     pool: str
-    visibility: Any  # apps.dashboard.telemetry.Visibility (kept out of this module's imports: no cycle)
+    visibility: Any  # apps.dashboard.samples.Visibility (kept out of this module's imports: no cycle)
     figure_ids: tuple[str, ...]
     title: str
 
@@ -144,7 +144,7 @@ def live_pool_access(*, user: Any, name: str) -> LiveAccess:
     entitlements of their tenants on this pool (pools themselves are readable by every signed-in user).
     Raises ``Http404`` for an unknown pool."""
     from apps.dashboard.figures import figure_ids
-    from apps.dashboard.telemetry import Visibility
+    from apps.dashboard.samples import Visibility
 
     pool = pool_selectors.pool_get(user=user, name=name)
     if user.is_superuser:
@@ -160,7 +160,7 @@ def live_entitlement_access(*, user: Any, name: str) -> LiveAccess:
     """An entitlement's live page: its own series only (pool totals for operators). ``Http404`` for an
     entitlement outside the user's tenants."""
     from apps.dashboard.figures import figure_ids
-    from apps.dashboard.telemetry import Visibility
+    from apps.dashboard.samples import Visibility
 
     entitlement = pool_selectors.entitlement_get(user=user, name=name)
     visibility = Visibility(entitlements=frozenset({entitlement.name}), pool_totals=bool(user.is_superuser))

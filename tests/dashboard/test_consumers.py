@@ -17,10 +17,12 @@ from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 from django.test import Client
 
-from apps.dashboard import telemetry
+from apps.dashboard import history as dashboard_history
 from apps.dashboard.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND, CLOSE_UNAUTHENTICATED
+from apps.dashboard.history import MemoryHistory
 from apps.dashboard.routing import websocket_urlpatterns
-from apps.dashboard.telemetry import EntitlementPoint, MemoryHistory, PoolSample, pool_group
+from apps.dashboard.samples import EntitlementPoint, PoolSample
+from apps.dashboard.telemetry import pool_group
 from apps.tenancy.models import Membership
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.django_db(transaction=True)]
@@ -44,10 +46,10 @@ def sample(i: int) -> PoolSample:
 def history(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[MemoryHistory]:
     settings.DASHBOARD_LOCAL_SAMPLER = False  # no background sampling reading the gateway in these tests
     store = MemoryHistory()
-    telemetry.reset_history_store(store)
-    monkeypatch.setattr(telemetry.time, "time", lambda: T0 + 10)  # "now" for the 15-minute cut
+    dashboard_history.reset_history_store(store)
+    monkeypatch.setattr(dashboard_history.time, "time", lambda: T0 + 10)  # "now" for the 15-minute cut
     yield store
-    telemetry.reset_history_store()
+    dashboard_history.reset_history_store()
 
 
 @pytest.fixture
@@ -142,7 +144,7 @@ async def test_entitlement_socket_streams_that_entitlement_only(objects: None, s
 
 async def test_history_older_than_fifteen_minutes_is_not_sent(objects: None, superuser: Any,
                                                               history: MemoryHistory) -> None:
-    await history.append(PoolSample(time=T0 + 10 - telemetry.HISTORY_SECONDS - 5, pool="qwen-pool", budget=99))
+    await history.append(PoolSample(time=T0 + 10 - dashboard_history.HISTORY_SECONDS - 5, pool="qwen-pool", budget=99))
     comm, first = await open_socket(superuser, "/ws/pools/qwen-pool/", history)
     budget = {t["meta"]: t for t in first["figures"]["aimd"]["data"]}["aimd:budget"]
     assert budget["y"] == [16, 16, 16]

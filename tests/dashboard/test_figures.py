@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import pytest
 
 from apps.dashboard import colors, figures
-from apps.dashboard.telemetry import EntitlementPoint, PoolSample, Visibility, sample_visible, samples_visible
+from apps.dashboard.samples import EntitlementPoint, PoolSample, Visibility, sample_visible, samples_visible
 from apps.dashboard.usage import daily_figure
 
 T0 = 1_800_000_000.0

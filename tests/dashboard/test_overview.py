@@ -9,7 +9,7 @@ import datetime as dt
 import pytest
 
 from apps.dashboard import overview
-from apps.dashboard.telemetry import EntitlementPoint, PoolSample
+from apps.dashboard.samples import EntitlementPoint, PoolSample
 
 NOW = dt.datetime(2026, 11, 26, 12, 30, 20, tzinfo=dt.UTC)
 

@@ -17,10 +17,12 @@ from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.contrib.auth.models import AnonymousUser
 
-from apps.dashboard import consumers, overview_selectors, telemetry
+from apps.dashboard import consumers, overview_selectors
+from apps.dashboard import history as dashboard_history
 from apps.dashboard.consumers import CLOSE_FORBIDDEN, CLOSE_UNAUTHENTICATED
+from apps.dashboard.history import MemoryHistory
 from apps.dashboard.routing import websocket_urlpatterns
-from apps.dashboard.telemetry import EntitlementPoint, MemoryHistory, PoolSample
+from apps.dashboard.samples import EntitlementPoint, PoolSample
 from apps.gateway.models import RequestLogRecord, RequestOutcome, UsageRecord
 from apps.tenancy.models import Tenant
 from tests.dashboard.conftest import client_for
@@ -32,9 +34,9 @@ NOW = dt.datetime.now(dt.UTC)
 def history(settings: Any) -> Iterator[MemoryHistory]:
     settings.DASHBOARD_LOCAL_SAMPLER = False  # no background sampling reading the gateway in these tests
     store = MemoryHistory()
-    telemetry.reset_history_store(store)
+    dashboard_history.reset_history_store(store)
     yield store
-    telemetry.reset_history_store()
+    dashboard_history.reset_history_store()
 
 
 def log(tenant: Tenant, entitlement: str, outcome: str, *, reason: str = "", ttft_ms: float | None = None,

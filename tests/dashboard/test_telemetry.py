@@ -1,5 +1,5 @@
-"""Telemetry: samples built from a real (in-process) gateway's state store, budget and metrics, the
-history stores (ring buffer and a real Redis), and the publication to the pool's channel group."""
+"""Telemetry: samples built from a real (in-process) gateway's state store, budget and metrics, and their
+publication to the pool's channel group."""
 
 from __future__ import annotations
 
@@ -11,15 +11,11 @@ from typing import Any
 import pytest
 from channels.layers import InMemoryChannelLayer, get_channel_layer
 
+from apps.dashboard import history as dashboard_history
 from apps.dashboard import telemetry
-from apps.dashboard.telemetry import (
-    CollectorState,
-    EntitlementPoint,
-    MemoryHistory,
-    PoolSample,
-    RedisHistory,
-    pool_group,
-)
+from apps.dashboard.history import MemoryHistory
+from apps.dashboard.samples import EntitlementPoint, PoolSample
+from apps.dashboard.telemetry import CollectorState, pool_group
 from apps.gateway.app import Gateway
 from apps.gateway.budget import PoolBudget
 from apps.gateway.config import GatewayConfig
@@ -215,47 +211,6 @@ async def test_unknown_pool_gives_no_sample(gateway: Gateway) -> None:
                                                  history=MemoryHistory(), state=CollectorState()) is None
 
 
-def test_sample_round_trips_through_json() -> None:
-    sample = PoolSample(time=T0, pool="qwen", slots=16, budget=12, aimd_action=1, running=4, queued=2,
-                        p99_ttft_s=0.8, kv_usage={"http://r1": 0.4}, kv_admitted=0.1,
-                        entitlements=(EntitlementPoint("a", "acme", "elastic", 3, 1, 0.5, 500.0, 0.2, 40.0, 2,
-                                                       {"pool_contended": 1}, 90.0, 100.0, 1024.0),))
-    assert PoolSample.from_dict(sample.to_dict()) == sample
-
-
-@pytest.mark.asyncio
-async def test_memory_history_keeps_the_last_length_samples_and_drops_stale_ones() -> None:
-    history = MemoryHistory(length=5, seconds=100)
-    for i in range(8):
-        await history.append(PoolSample(time=T0 + i, pool="qwen"))
-    await history.append(PoolSample(time=T0, pool="other"))
-    assert [s.time - T0 for s in await history.recent("qwen", now=T0 + 7)] == [3, 4, 5, 6, 7]
-    assert [s.time - T0 for s in await history.recent("qwen", now=T0 + 105)] == [5, 6, 7]
-    assert len(await history.recent("other", now=T0)) == 1
-
-
-@pytest.mark.redis
-@pytest.mark.asyncio
-async def test_redis_history_is_a_capped_list_per_pool(redis_url: str) -> None:
-    import redis.asyncio as aioredis
-
-    history = RedisHistory(url=redis_url, length=5, seconds=100)
-    await history.clear()
-    for i in range(8):
-        await history.append(PoolSample(time=T0 + i, pool="qwen", budget=i))
-    await history.append(PoolSample(time=T0, pool="other"))
-    assert [s.budget for s in await history.recent("qwen", now=T0 + 7)] == [3, 4, 5, 6, 7]
-    client = aioredis.from_url(redis_url)
-    try:
-        assert await client.llen(history.key("qwen")) == 5  # LTRIM keeps the list capped
-        assert await client.ttl(history.key("qwen")) > 0
-    finally:
-        await client.aclose()
-    # Another process (another store object) reads the same history.
-    assert len(await RedisHistory(url=redis_url).recent("qwen", now=T0 + 7)) == 5
-    await history.clear()
-
-
 @pytest.mark.redis
 @pytest.mark.asyncio
 async def test_without_a_running_gateway_the_sample_reads_the_shared_redis_store(
@@ -290,18 +245,6 @@ async def test_without_a_running_gateway_the_sample_reads_the_shared_redis_store
     assert {e.name: e.in_flight for e in sample.entitlements} == {"acme-chat": 2, "globex-batch": 0}
 
 
-def test_history_store_follows_redis_url(settings: Any) -> None:
-    try:
-        settings.REDIS_URL = ""
-        telemetry.reset_history_store()
-        assert isinstance(telemetry.history_store(), MemoryHistory)
-        settings.REDIS_URL = "redis://127.0.0.1:1/0"
-        telemetry.reset_history_store()
-        assert isinstance(telemetry.history_store(), RedisHistory)
-    finally:
-        telemetry.reset_history_store()
-
-
 def test_group_names_are_valid_and_distinct() -> None:
     assert pool_group("qwen-pool") == "dashboard.pool.qwen-pool"
     odd = pool_group("qwen pool/1")
@@ -315,7 +258,7 @@ def test_publish_tick_from_a_thread_runs_on_the_server_loop(gateway: Gateway, mo
 
     monkeypatch.setattr(apps.gateway.asgi, "_gateway", gateway)
     telemetry.reset_collector()
-    telemetry.reset_history_store(MemoryHistory())
+    dashboard_history.reset_history_store(MemoryHistory())
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -340,7 +283,7 @@ def test_publish_tick_from_a_thread_runs_on_the_server_loop(gateway: Gateway, mo
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
-        telemetry.reset_history_store()
+        dashboard_history.reset_history_store()
         telemetry.reset_collector()
 
 
@@ -402,7 +345,7 @@ def test_publish_tick_runs_from_the_tick_registry_without_a_server_loop(
     monkeypatch.setattr(telemetry, "_bound_loop", lambda: None)
     history = MemoryHistory()
     telemetry.reset_collector()
-    telemetry.reset_history_store(history)
+    dashboard_history.reset_history_store(history)
     store_reads: list[str] = []
     original = gateway.store.entitlement_usage  # type: ignore[union-attr]
 
@@ -418,5 +361,5 @@ def test_publish_tick_runs_from_the_tick_registry_without_a_server_loop(
         # waits on it): a sample on the tick's own loop leaves it alone.
         assert store_reads == []
     finally:
-        telemetry.reset_history_store()
+        dashboard_history.reset_history_store()
         telemetry.reset_collector()
