@@ -15,7 +15,9 @@ real HTTP clients, so that the two can be compared on the same input.
 
 Every request is streamed (usage included), so its time to first token is measured at the client, from the
 moment it is sent, as the simulator measures it from arrival. `summarize_live` gives the per-tenant figures in
-the simulator's summary format.
+the simulator's summary format. The heap the measuring process holds when the clock starts is set aside for the
+run, so that its collector does not pause the clients to scan it (`collector_pauses`; `LiveWorkload.collector`
+says what collections still ran).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from apps.simulator.collector_pauses import CollectorPauses, heap_set_aside
 from apps.simulator.engine import EventLoop
 from apps.simulator.loadgen import retry_after_s
 from apps.simulator.simulation import percentile
@@ -124,6 +127,8 @@ class LiveWorkload:
         self.max_connections = max_connections
         self.warm_up_requests = warm_up_requests
         self.records: list[LiveRecord] = []
+        # The measuring process's own collections during the run (what its first-token times include).
+        self.collector = CollectorPauses()
         self._origin = 0.0
 
     def now(self) -> float:
@@ -137,17 +142,18 @@ class LiveWorkload:
             await self._warm_up()
             arrivals = open_loop_arrivals([t.spec for t in self.tenants.values()], seed=self.seed,
                                           horizon_s=self.horizon_s)
-            self._origin = time.monotonic()
-            lifecycle = [asyncio.create_task(self._lifecycle(tenant)) for tenant in self.tenants.values()]
-            sender = asyncio.create_task(self._open_loop(arrivals))
-            await asyncio.sleep(self.horizon_s)
-            sender.cancel()
-            for task in lifecycle:
-                task.cancel()
-            running = [task for tenant in self.tenants.values() for task in tenant.tasks]
-            ended = await asyncio.gather(sender, *lifecycle, return_exceptions=True)
-            # Requests sent before the horizon end as they end; nothing new is sent.
-            await asyncio.gather(*running, return_exceptions=True)
+            with heap_set_aside() as self.collector:
+                self._origin = time.monotonic()
+                lifecycle = [asyncio.create_task(self._lifecycle(tenant)) for tenant in self.tenants.values()]
+                sender = asyncio.create_task(self._open_loop(arrivals))
+                await asyncio.sleep(self.horizon_s)
+                sender.cancel()
+                for task in lifecycle:
+                    task.cancel()
+                running = [task for tenant in self.tenants.values() for task in tenant.tasks]
+                ended = await asyncio.gather(sender, *lifecycle, return_exceptions=True)
+                # Requests sent before the horizon end as they end; nothing new is sent.
+                await asyncio.gather(*running, return_exceptions=True)
         # A join or leave that failed (the operator's REST call) invalidates the run: say so, loudly.
         for outcome in ended:
             if isinstance(outcome, Exception):

@@ -65,11 +65,13 @@ WAIT_TOLERANCE = 0.25
 WAIT_FLOOR_S = 0.05
 
 
-def _live(config: Any, url: str, keys: dict[str, str], token: str) -> list[Any]:
+def _live(config: Any, url: str, keys: dict[str, str], token: str) -> tuple[list[Any], str]:
+    """The live run's records, and what the measuring process's collector did meanwhile."""
     join, leave = operator_hooks(url, token)
     workload = LiveWorkload(config.tenants, url=url, keys=keys, model=POOL, seed=config.seed,
                             horizon_s=float(config.horizon_s), on_join=join, on_leave=leave)
-    return asyncio.run(workload.run())
+    records = asyncio.run(workload.run())
+    return records, workload.collector.summary()
 
 
 def _close(live: float, sim: float, tolerance: float, floor: float = 0.0) -> bool:
@@ -92,7 +94,7 @@ def test_the_simulator_predicts_the_live_gateway(tmp_path: Path, capsys: pytest.
         site = prepare_site(tmp_path, tenants=[OWNER], manifest=manifest, key_for=first)
         token = admin_token(site.env)
         with serving(site, env=scenario_site_env(config.tenants)) as (url, _server):
-            records = _live(config, url, site.keys, token)
+            records, collector = _live(config, url, site.keys, token)
     live = summarize_live(records, config.tenants, float(config.horizon_s))
 
     lines = [f"{'entitlement':<14} {'side':<5} {'admitted':>8} {'rejected':>8} {'ttft p50':>9} {'ttft p99':>9}  denials"]
@@ -100,7 +102,7 @@ def test_the_simulator_predicts_the_live_gateway(tmp_path: Path, capsys: pytest.
         for side, figures in (("sim", simulated[name]), ("live", live[name])):
             lines.append(f"{name:<14} {side:<5} {figures['admitted']:>8} {figures['rejected']:>8} "
                          f"{figures['ttft_p50_s'] or 0:>9.3f} {figures['ttft_p99_s'] or 0:>9.3f}  {figures['denials']}")
-    lines += _slowest(records)
+    lines += [*_slowest(records), f"  {collector}"]
     with capsys.disabled():
         print("\nsim-to-live agreement (" + SCENARIO.name + ")\n" + "\n".join(lines))
 
