@@ -39,11 +39,11 @@ def test_collections_in_the_block_are_counted_and_the_long_ones_listed(monkeypat
 
 def test_a_freeze_made_before_stays_after_the_block() -> None:
     gc.freeze()
-    before = gc.get_freeze_count()
-    with heap_set_aside() as report:
+    assert gc.get_freeze_count() > 0
+    with heap_set_aside():
         pass
-    assert report.frozen >= 0
-    assert gc.get_freeze_count() >= before > 0
+    # Still frozen (handed back, the count would be 0; frozen objects freed meanwhile lower it a little).
+    assert gc.get_freeze_count() > 0
     gc.unfreeze()
 
 
