@@ -1,15 +1,15 @@
 """Idle cores kept from halting for a measurement, as latency benchmarks set up their machines.
 
-At 50 requests/s the gateway's cores sit idle between requests. On this kind of virtual machine an idle core
-halts (its `haltpoll` cpuidle state): the hypervisor takes the core back, and waking it again costs each hop of a
-request (client to gateway, gateway to Redis, Redis back, gateway to the backend) a few hundred microseconds
-that a busy core does not pay (`python -m bench.redis_round_trip`: a PING 20 ms after the last one against one
-right after). Benchmark set-up guides steady the CPU for the same reason (Google Benchmark's "Reducing variance"
-fixes its frequency), and tuned's `latency-performance` profile limits the cores' idle states. This does it the kernel's documented way for one process: a PM QoS
-request of 0 us exit latency written to `/dev/cpu_dma_latency` and held while the file stays open. Idle cores
-then poll instead of halting. The kernel drops the request when the file is closed (also when the process
-dies), so nothing outlives the measurement. It costs power, and it changes the machine for every target alike
-(direct, the gateways, LiteLLM), so the added latency still compares like with like.
+At 50 requests/s the gateway's cores sit idle between requests. On this kind of virtual machine an idle core halts
+(its `haltpoll` cpuidle state): the hypervisor takes the core back, and waking it again costs each hop of a request
+(client to gateway, gateway to Redis, Redis back, gateway to the backend) a few hundred microseconds that a busy
+core does not pay (`python -m bench.redis_round_trip`: a PING 20 ms after the last one against one right after).
+Benchmark set-up guides steady the CPU for the same reason (Google Benchmark's "Reducing variance" fixes its
+frequency), and tuned's `latency-performance` profile limits the cores' idle states. This does it the kernel's
+documented way for one process: a PM QoS request of 0 us exit latency written to `/dev/cpu_dma_latency` and held
+while the file stays open. Idle cores then poll instead of halting. The kernel drops the request when the file is
+closed (also when the process dies), so nothing outlives the measurement. It costs power, and it changes the
+machine for every target alike (direct, the gateways, LiteLLM), so the added latency still compares like with like.
 
     with idle_states("poll"):   # "halt": the machine as it is configured (nothing is written)
         ...

@@ -37,7 +37,8 @@ def manifest(backend_url: str) -> str:
         entitlement("spot-b", tenant="globex", pool="tiny", service_class="spot", concurrency=10,
                     slo_target_ms=30000),
         # A token bucket of 60 s at 4 tokens/s (240 tokens) and no queue: a request its bucket cannot cover is
-        # refused at once, told when the bucket will (what the Retry-After test below needs).
+        # refused at once, told when the bucket will (what the Retry-After test below needs). Two slots, so that
+        # the refusal is the bucket's, never the concurrency's.
         entitlement("thin-budget", tenant="acme", pool="tiny", service_class="guaranteed", concurrency=2,
                     tokens_per_second=THIN_RATE, kv_cache_gib=0.05, queue_max=0),
     )
@@ -72,11 +73,12 @@ def _in_flight(url: str) -> float:
 
 
 # One attempt, in a process of its own (its own session, so its own scheduling group beside the site's and the
-# backend's): a first request draws `p + FIRST_MAX_TOKENS` tokens from the thin-budget bucket; the OpenAI SDK
-# (async, retries on) then asks for `p + bucket - p - MARGIN` tokens, more than the bucket has left but no more
-# than it holds, so the gateway refuses it (429) with the refill time, and the SDK retries after waiting that long.
-# The bucket decides, not a race: the SDK's request is refused however late the first one ended, unless this
-# process stalls for the whole refill (the deficit, p + FIRST_MAX_TOKENS - MARGIN tokens, at THIN_RATE: ~4 s).
+# backend's): a first request (prompt p tokens) draws `p + FIRST_MAX_TOKENS` tokens from the thin-budget bucket;
+# the OpenAI SDK (async, retries on) then asks for the same prompt and `bucket - p - MARGIN` output tokens, a cost
+# of `bucket - MARGIN`: more than the bucket has left but no more than it holds, so the gateway refuses it (429)
+# with the refill time, and the SDK retries after waiting that long. The bucket decides, not a race: the SDK's
+# request is refused however late the first one ended, unless this process stalls for the whole refill (the
+# deficit, p + FIRST_MAX_TOKENS - MARGIN tokens, at THIN_RATE: about 7 s with p = 19).
 # An earlier version held a concurrency slot with a long stream and sent the second request at its first chunk; on
 # a loaded CI machine the stream could end before this process ran again (10 of 10 attempts lost, 2026-11-28).
 # Prints JSON: the first request's prompt and total tokens, the SDK's sends and answers (monotonic seconds,
