@@ -193,3 +193,64 @@ def test_a_call_from_another_event_loop_opens_a_connection_of_its_own(redis_url:
     second = asyncio.run(calls.call("CLIENT", "ID"))
     assert first != second
     assert asyncio.run(calls.call("PING")) == "PONG"
+
+
+# A call that keeps Redis busy for ARGV[1] microseconds (Lua, on Redis's own clock), then answers.
+BUSY_FOR = """local began = redis.call('TIME')
+repeat local now = redis.call('TIME') until (now[1] - began[1]) * 1000000 + (now[2] - began[2]) >= tonumber(ARGV[1])
+return ARGV[2]"""
+
+
+def test_calls_queued_behind_others_past_the_timeout_are_answered_while_redis_keeps_answering(redis_url: str) -> None:
+    """The timeout is Redis's silence, not a call's wait in line: a burst queues more work on the connection than
+    Redis does in the timeout (the CI failure of 2026-11-28: a thousand concurrent admissions, their calls failed
+    together as 'Redis unreachable', and failing open served 1,379 tokens against a quota of 250). Here 40 calls
+    of 25 ms each, 1 s in all, against a timeout of 0.5 s. Redis answers a read's worth of commands at a time (it
+    reads 16 KB), so each call carries 10 KB: the replies come one or two at a time, 25-50 ms apart."""
+    pad = "x" * 10_000
+
+    async def run() -> tuple[list[object], float]:
+        calls = client(redis_url, timeout_s=0.5)
+        try:
+            began = time.monotonic()
+            replies = await asyncio.gather(*(calls.call("EVAL", BUSY_FOR, 0, 25_000, f"call-{i}", pad)
+                                             for i in range(40)))
+            return replies, time.monotonic() - began
+        finally:
+            await calls.aclose()
+
+    replies, took = asyncio.run(run())
+    assert replies == [f"call-{i}" for i in range(40)]
+    assert took >= 1.0  # they really queued past the timeout
+
+
+class _Staller(asyncio.Protocol):
+    """A peer of this process whose data it handles slowly: the loop stalls in an I/O callback."""
+
+    def data_received(self, data: bytes) -> None:
+        time.sleep(1.0)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_reply_that_came_while_this_process_stalled_is_read_not_timed_out(redis_url: str, loop: str) -> None:
+    """This process stalls (a slow callback, a full collection) past the timeout, and Redis answers meanwhile: the
+    reply is read, not timed out. uvloop runs due timers before it reads the sockets again, so a stall in an I/O
+    callback left the reply unread when the deadline was checked (a 503, or an admission failing open)."""
+    async def run() -> object:
+        loop_ = asyncio.get_running_loop()
+        server = await loop_.create_server(_Staller, "127.0.0.1", 0)
+        _, staller = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        calls = client(redis_url, timeout_s=0.5)
+        try:
+            await calls.call("PING")  # connected
+            pending = asyncio.ensure_future(calls.call("EVAL", BUSY_FOR, 0, 50_000, "answered"))
+            await asyncio.sleep(0)  # sent: Redis answers in 50 ms
+            staller.write(b"stall")  # read first, and handled for 1 s
+            return await pending
+        finally:
+            staller.close()
+            server.close()
+            await calls.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop if loop == "uvloop" else None) as runner:
+        assert runner.run(run()) == "answered"

@@ -169,7 +169,7 @@ def test_usage_summary_reports_spend_per_day_and_month(admin: Any) -> None:
     docs = _docs(pricing={"inputPerMillion": 0.5, "outputPerMillion": 2, "currency": "USD"})
     manifests_apply(actor=SYSTEM, documents=docs)
     tenant = Tenant.objects.get()
-    minute = timezone.now().replace(second=0, microsecond=0)
+    minute = timezone.now().replace(day=15, hour=12, minute=0, second=0, microsecond=0)  # a month away from its turn
     for offset, (prompt, completion) in enumerate(((1_000_000, 500_000), (2_000_000, 0))):
         UsageRecord.objects.create(tenant=tenant, entitlement="sample-entitlement",
                                    minute=minute - timezone.timedelta(minutes=offset), requests=3,
