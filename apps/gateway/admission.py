@@ -80,10 +80,13 @@ class Admission:
 
 class InFlight:
     """This process's admitted requests by pool: who to cancel when the state machine evicts one, whose
-    leases to renew, what the in-flight gauges show, what a shutdown cancels."""
+    leases to renew, what the in-flight gauges show, what a shutdown cancels. And the quota holds of requests
+    still being offered, by request id (their scope): renewed too, for an offer may wait behind its
+    entitlement's releases for longer than a lease after its quota reserve."""
 
     def __init__(self) -> None:
         self.by_pool: dict[str, dict[str, RequestContext]] = {}
+        self.offering: dict[str, str] = {}
 
     def add(self, pool: str, ctx: RequestContext) -> None:
         self.by_pool.setdefault(pool, {})[ctx.request_id] = ctx
@@ -139,8 +142,14 @@ class Admitter:
         slo_ms, tier = slo_hints(ctx)
         request = AdmissionRequest(ctx.request_id, input_tokens, max_tokens, slo_ms, tier)
         saturation = admission_saturation(replicas, self.config.saturation_admission)
-        offer = await self._offer(limits, pool, request, saturation,
-                                  quota_claim(entry, limits, request, time.time(), lease_s=self.config.lease_s))
+        quota = quota_claim(entry, limits, request, time.time(), lease_s=self.config.lease_s)
+        if quota is not None:
+            self.in_flight.offering[ctx.request_id] = quota.scope
+        try:
+            offer = await self._offer(limits, pool, request, saturation, quota)
+        finally:
+            # From here: in flight, refused (its hold refunded), or released by `forget` (deferred if the store is away).
+            self.in_flight.offering.pop(ctx.request_id, None)
         ctx.view, ctx.quota = offer.view, offer.quota
         if offer.state == REJECTED:
             raise self._rejection(entry, limits, offer.decision)

@@ -209,8 +209,8 @@ class BackgroundLoops:
         return reaped
 
     async def quota_leases_tick(self) -> int:
-        """Renew the quota holds of this process's requests (in flight, or whose release waits for the
-        store), scope by scope, and settle every hold of the scope whose lease lapsed (its process died,
+        """Renew the quota holds of this process's requests (being offered, in flight, or whose release waits
+        for the store), scope by scope, and settle every hold of the scope whose lease lapsed (its process died,
         or lost it): a quota hold is reclaimed within a lease, as a slot is. Returns how many."""
         gateway = self.gateway
         assert gateway.store is not None
@@ -218,6 +218,8 @@ class BackgroundLoops:
         if snapshot is None:
             return 0
         holders: dict[str, list[str]] = {str(entry.tenant_id): [] for entry in snapshot.keys.values() if entry.quotas}
+        for request_id, scope in list(gateway.in_flight.offering.items()):
+            holders.setdefault(scope, []).append(request_id)
         for ctx in gateway.in_flight.contexts():
             if ctx.entry is not None and ctx.entry.quotas:
                 holders.setdefault(str(ctx.entry.tenant_id), []).append(ctx.request_id)
