@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import select
 import ssl
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,8 +37,8 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-# How soon a connection found silent past its timeout is looked at again, after this process has read its socket
-# once more, before its calls fail (`_Protocol._check_deadline`).
+# How soon a connection whose deadline passed with a reply waiting unread in its socket is looked at again
+# (`_Protocol._check_deadline`): by then this process has read its sockets.
 RECHECK_S = 0.01
 
 # Error replies redis-py raises as classes of their own (the rest are `ResponseError`).
@@ -59,7 +60,9 @@ class _Protocol(asyncio.Protocol):
     timeout, counted from the last reply or, if later, the oldest unanswered call's sending. A burst that queues
     more work on the connection than Redis does in the timeout is a busy Redis, not an unreachable one; measured
     per call, it failed every call in flight together as 'unreachable' (CI, 2026-11-28: a thousand concurrent
-    admissions on one process, and failing open then served 1,379 tokens against a quota of 250)."""
+    admissions on one process, and failing open then served 1,379 tokens against a quota of 250). And it is the
+    socket's silence, not this process's: a reply that waits unread in the socket when the deadline passes is
+    Redis answering while this process was busy elsewhere."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -70,10 +73,12 @@ class _Protocol(asyncio.Protocol):
         self.lost: BaseException | None = None
         self.heard = 0.0  # when Redis last sent anything (the loop's clock)
         self._timer: asyncio.TimerHandle | None = None
-        self._overdue = False  # found silent past the timeout once; a second time fails the calls
+        self._fd = -1  # the socket's descriptor, looked at (never read) when a deadline passes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
 
     def send(self, args: tuple[Any, ...]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -116,22 +121,31 @@ class _Protocol(asyncio.Protocol):
     def _check_deadline(self) -> None:
         self._timer = None
         if not self.waiting or self.transport is None:
-            self._overdue = False
             return
         loop = self.loop
         now, deadline = loop.time(), self._deadline()
         if now < deadline:
-            self._overdue = False
             self._timer = loop.call_at(deadline, self._check_deadline)
             return
-        if not self._overdue:
-            # Past it, but this process may be what stalled (a long callback, a full collection) while Redis
-            # answered: uvloop runs due timers before it reads the sockets, so the socket is read once more
-            # before the calls fail.
-            self._overdue = True
+        if self._unread():
+            # Redis answered while this process was busy (turns of its loop longer than the timeout: a thousand
+            # requests' callbacks, a full collection). uvloop runs due timers after the I/O callbacks of the same
+            # turn, so a stall in them leaves replies that came meanwhile unread at the check; they are read first.
             self._timer = loop.call_at(now + RECHECK_S, self._check_deadline)
             return
-        self._fail(TimeoutError("Timeout reading from Redis"))
+        self._fail(TimeoutError(f"Timeout reading from Redis (nothing for {now - (deadline - self.timeout_s):.2f} s, "
+                                f"{len(self.waiting)} calls waiting)"))
+
+    def _unread(self) -> bool:
+        """Whether the socket holds what this process has not read yet: a reply, or the connection's end."""
+        if self._fd < 0:
+            return False
+        poller = select.poll()  # not select.select: a busy process's descriptors pass FD_SETSIZE
+        try:
+            poller.register(self._fd, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed under us: connection_lost says so
+            return False
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._fail(ConnectionError(f"Connection to Redis lost{f': {exc}' if exc else ''}"))

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis
@@ -254,3 +254,57 @@ def test_a_reply_that_came_while_this_process_stalled_is_read_not_timed_out(redi
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop if loop == "uvloop" else None) as runner:
         assert runner.run(run()) == "answered"
+
+
+class _TwoStalls(asyncio.Protocol):
+    """A peer of this process whose data it handles slowly (0.3 s), and what the first stall then sets going."""
+
+    after_first: Callable[[], None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        time.sleep(0.3)
+        if data == b"first" and _TwoStalls.after_first is not None:
+            _TwoStalls.after_first()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_reply_that_came_while_this_process_stalled_twice_is_read_not_timed_out(redis_url: str, loop: str) -> None:
+    """A burst stalls this process turn after turn (a thousand requests' callbacks, a full collection): a check
+    of the deadline found it past, the socket was read once more, and the next stall outlasted the timeout again
+    while Redis answered (CI, 2026-11-28, a thousand concurrent admissions on one process: a 503 'Timeout reading
+    from Redis' with Redis up). Against a timeout of 0.2 s: a call Redis answers in 50 ms, and a stall of 0.3 s in
+    an I/O callback; as it ends, a second call (answered in 100 ms) and a second stall of 0.3 s, handled in the
+    turn that reads the first reply, after it. The second reply comes during the second stall. A reply waiting in
+    the socket is not silence."""
+    async def run() -> list[object]:
+        loop_ = asyncio.get_running_loop()
+        server = await loop_.create_server(_TwoStalls, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, first = await asyncio.open_connection("127.0.0.1", port)
+        _, second = await asyncio.open_connection("127.0.0.1", port)
+        calls = client(redis_url, timeout_s=0.2)
+        pending = []
+
+        def after_first() -> None:
+            # Sent before the next read of the sockets; Redis answers it alone (two calls sent together may be
+            # read, run and answered together: the first reply would then come after the second call's 100 ms).
+            pending.append(asyncio.ensure_future(calls.call("EVAL", BUSY_FOR, 0, 100_000, "second")))
+            second.write(b"second")  # ready after Redis's first reply: handled after it, in the same turn
+
+        _TwoStalls.after_first = after_first
+        try:
+            await calls.call("PING")  # connected
+            pending.append(asyncio.ensure_future(calls.call("EVAL", BUSY_FOR, 0, 50_000, "first")))
+            await asyncio.sleep(0)  # sent
+            first.write(b"first")
+            answered = [await pending[0]]  # read after the first stall, which made the second call as it ended
+            return answered + [await pending[1]]
+        finally:
+            _TwoStalls.after_first = None
+            first.close()
+            second.close()
+            server.close()
+            await calls.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop if loop == "uvloop" else None) as runner:
+        assert runner.run(run()) == ["first", "second"]
