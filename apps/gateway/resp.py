@@ -129,8 +129,9 @@ class _Protocol(asyncio.Protocol):
             return
         if self._unread():
             # Redis answered while this process was busy (turns of its loop longer than the timeout: a thousand
-            # requests' callbacks, a full collection). uvloop runs due timers after the I/O callbacks of the same
-            # turn, so a stall in them leaves replies that came meanwhile unread at the check; they are read first.
+            # requests' callbacks, a full collection). uvloop runs due timers at the start of a turn, before it reads
+            # the sockets, so a stall in I/O callbacks leaves replies that came meanwhile unread at the check, and a
+            # second check after one more read is no cure: the next turn may stall as long. They are read first.
             self._timer = loop.call_at(now + RECHECK_S, self._check_deadline)
             return
         self._fail(TimeoutError(f"Timeout reading from Redis (nothing for {now - (deadline - self.timeout_s):.2f} s, "
