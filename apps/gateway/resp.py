@@ -71,14 +71,11 @@ class _Protocol(asyncio.Protocol):
         self.waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
-        self.heard = 0.0  # when Redis last sent anything (the loop's clock)
+        self.heard = 0.0  # when this process last read anything from Redis (the loop's clock)
         self._timer: asyncio.TimerHandle | None = None
-        self._fd = -1  # the socket's descriptor, looked at (never read) when a deadline passes
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
-        sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else -1
 
     def send(self, args: tuple[Any, ...]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -87,13 +84,13 @@ class _Protocol(asyncio.Protocol):
         self.transport.write(hiredis.pack_command(args))
         self.waiting.append((future, loop.time()))
         if self._timer is None:  # one timer for the connection, not one per call
-            self._timer = loop.call_at(self._deadline(), self._check_deadline)
+            self._timer = loop.call_at(self._silent_since() + self.timeout_s, self._check_deadline)
         return future
 
-    def _deadline(self) -> float:
-        """When the connection counts as silent: the timeout after its last reply or, if later, after its oldest
-        unanswered call was sent."""
-        return max(self.heard, self.waiting[0][1]) + self.timeout_s
+    def _silent_since(self) -> float:
+        """Since when nothing has come from Redis that a call waits for: its last reply or, if later, the oldest
+        unanswered call's sending. Silent for the timeout, the connection fails."""
+        return max(self.heard, self.waiting[0][1])
 
     def data_received(self, data: bytes) -> None:
         self.heard = self.loop.time()
@@ -123,7 +120,8 @@ class _Protocol(asyncio.Protocol):
         if not self.waiting or self.transport is None:
             return
         loop = self.loop
-        now, deadline = loop.time(), self._deadline()
+        now, since = loop.time(), self._silent_since()
+        deadline = since + self.timeout_s
         if now < deadline:
             self._timer = loop.call_at(deadline, self._check_deadline)
             return
@@ -134,16 +132,18 @@ class _Protocol(asyncio.Protocol):
             # second check after one more read is no cure: the next turn may stall as long. They are read first.
             self._timer = loop.call_at(now + RECHECK_S, self._check_deadline)
             return
-        self._fail(TimeoutError(f"Timeout reading from Redis (nothing for {now - (deadline - self.timeout_s):.2f} s, "
+        self._fail(TimeoutError(f"Timeout reading from Redis (nothing for {now - since:.2f} s, "
                                 f"{len(self.waiting)} calls waiting)"))
 
     def _unread(self) -> bool:
         """Whether the socket holds what this process has not read yet: a reply, or the connection's end."""
-        if self._fd < 0:
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("socket")  # looked at, never read
+        if sock is None:
             return False
         poller = select.poll()  # not select.select: a busy process's descriptors pass FD_SETSIZE
         try:
-            poller.register(self._fd, select.POLLIN)
+            poller.register(sock.fileno(), select.POLLIN)
             return bool(poller.poll(0))
         except (OSError, ValueError):  # closed under us: connection_lost says so
             return False
