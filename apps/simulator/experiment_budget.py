@@ -1,7 +1,8 @@
 """Seed 002's AIMD sweep on the token-pools state machine: what the gateway runs since its dispatch budget became
-a check of the one machine (issue 23), beside the seed's own DRR gate that `apps.simulator.experiments` keeps.
+a check of the one machine (issue 23), beside the seed's own DRR gate that `apps.simulator.experiment_seed002`
+keeps.
 
-The load and the controller are the AIMD experiment's (`experiments.aimd_config`); the tenants hold elastic
+The load and the controller are the AIMD experiment's (`experiment_seed002.aimd_config`); the tenants hold elastic
 entitlements without limits of their own, and the controller's cap (per worker there, two workers) becomes the
 pool's budget (`TokenPoolsAdmission` with `admission.aimd`). The machine waits only where the budget binds and
 refuses at the pool's capacity (seed 000), so its p99 is not the DRR gate's: the report says what it is.

@@ -68,7 +68,7 @@ def _aimd_run(
     initial: int | None, static: int | None, horizon_s: float = 120.0, tail_s: float = 60.0, **options
 ):
     from apps.simulator.cli import run_simulation
-    from apps.simulator.experiments import aimd_config, aimd_point
+    from apps.simulator.experiment_seed002 import aimd_config, aimd_point
     from apps.simulator.scenario import Scenario
 
     config, admission = aimd_config(initial, static, horizon_s=horizon_s, **options)
@@ -127,7 +127,7 @@ def test_the_aimd_load_on_the_token_pools_machine_waits_only_under_the_budget_an
     queueing, so the p99 stays far below the DRR gate's queue-fed 2 s."""
     from apps.simulator.cli import run_simulation
     from apps.simulator.experiment_budget import machine_point, machine_scenario
-    from apps.simulator.experiments import aimd_config
+    from apps.simulator.experiment_seed002 import aimd_config
     from apps.simulator.scenario import Scenario
 
     config, spec = machine_scenario(*aimd_config(16, None, horizon_s=120.0))
