@@ -16,15 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from apps.simulator.loadgen import (
-    LoadGenerator,
-    ScenarioError,
-    arrivals,
-    key_resolve,
-    retry_after_s,
-    scenario_parse,
-    summary_table,
-)
+from apps.simulator.loadgen import LoadGenerator, arrivals, retry_after_s, summary_table
+from apps.simulator.loadgen_scenario import ScenarioError, key_resolve, scenario_parse
 from tests.gateway.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
