@@ -183,7 +183,9 @@ class Gateway:
         closed. Nothing admitted is left held or unrecorded."""
         if self._started:
             await self.loops.finish_requests(grace_s)
-        await self.loops.stop()
+        await self.loops.stop()  # the request log's last flush among them
+        if self.request_log is not None:
+            self.request_log.close()
         if self.client is not None:
             await self.client.aclose()
             self.client = None

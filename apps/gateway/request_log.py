@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import datetime as dt
 import json
 import logging
@@ -33,6 +34,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from apps.gateway.background_thread import background_executor
 from apps.gateway.context import ClientGone, RequestContext
 from apps.gateway.errors import GatewayError
 
@@ -139,6 +141,20 @@ class RequestLog:
         self.redis: Any = None
         self.list_key = ""
         self.lock_key = ""
+        # The encoding and the database writes: a thread of its own, at a lower priority than the event loop's
+        # (`apps.gateway.background_thread`), started on the first flush.
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def _in_thread(self, fn: Any, *args: Any) -> Any:
+        if self._executor is None:
+            self._executor = background_executor("gw-request-log")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Let the thread go (after the last flush)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
 
     def attach(self, redis: Any, prefix: str) -> None:
         """Go through this Redis (the state store's client) from now on; its two keys share a hash slot."""
@@ -168,9 +184,9 @@ class RequestLog:
             return 0
         entries = self._take()
         try:
-            # Encoded in a worker thread: ~6 us a record, a pause of the event loop the size of a second's
-            # records otherwise (the switch interval lets the loop back in within 1 ms: `favour_the_event_loop`).
-            await self.redis.rpush(self.list_key, *await asyncio.to_thread(_encoded, entries))
+            # Encoded in the thread: ~6 us a record, a pause of the event loop the size of a second's records
+            # otherwise (the switch interval lets the loop back in within 1 ms: `favour_the_event_loop`).
+            await self.redis.rpush(self.list_key, *await self._in_thread(_encoded, entries))
         except BaseException:
             self._put_back(entries)
             raise
@@ -185,7 +201,7 @@ class RequestLog:
             return 0
         entries = self._take()
         try:
-            return await asyncio.to_thread(_write_in_thread, entries)
+            return await self._in_thread(_write_in_thread, entries)
         except BaseException:
             self._put_back(entries)
             raise
@@ -207,8 +223,8 @@ class RequestLog:
                 raw = await self.redis.lrange(self.list_key, 0, BATCH - 1)
                 if not raw:
                     break
-                written += await asyncio.to_thread(_write_encoded_in_thread, raw,  # decoded there (`push`)
-                                                   close_connections)
+                written += await self._in_thread(_write_encoded_in_thread, raw,  # decoded there (`push`)
+                                                 close_connections)
                 if not await self.redis.eval(_TRIM, 2, self.list_key, self.lock_key, token, len(raw),
                                              DRAIN_LEASE_MS):
                     break  # the lock ran out and another flush took over: it trims what it writes

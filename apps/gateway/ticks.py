@@ -219,7 +219,10 @@ def tick_request_log_drain() -> int:
     async def drain(store: Any) -> int:
         log = RequestLog()
         log.attach(store.redis, store.prefix)
-        return await log.drain(close_connections=True)
+        try:
+            return await log.drain(close_connections=True)
+        finally:
+            log.close()
 
     try:
         return with_gateway_store(drain)

@@ -253,6 +253,38 @@ def test_with_redis_the_drain_tick_writes_the_records_not_the_gateway(gateway_fa
 
 
 @pytest.mark.postgres
+def test_the_flush_writes_in_a_thread_of_lower_priority_than_the_process(acme: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows go to the database from the request log's own thread, nicer than the event loop's, so that on a
+    shared core the loop gets the CPU back at once (`apps.gateway.background_thread`); `close` lets it go."""
+    import os
+    import threading
+
+    from apps.gateway import request_log
+
+    seen: list[tuple[str, int]] = []
+    write = request_log._write_in_thread
+
+    def watched(entries: list[Entry]) -> int:
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return write(entries)
+
+    monkeypatch.setattr(request_log, "_write_in_thread", watched)
+    log = RequestLog()
+    for index in range(3):
+        log.record(Entry(f"req_thread_{index}", time.time(), acme.pk, "tiny", "acme-chat", "guaranteed", "", False,
+                         5, 8, 2, "served", "", 0.0, 1.0, 2.0))
+    assert asyncio.run(log.flush()) == 3
+    assert RequestLogRecord.objects.count() == 3
+    process = os.getpriority(os.PRIO_PROCESS, 0)
+    [(name, priority)] = seen
+    assert name.startswith("gw-request-log") and (priority > process or process == 19)
+    thread = next(t for t in threading.enumerate() if t.name == name)
+    log.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_a_batch_written_twice_is_written_once(acme: Any) -> None:
     entry = Entry("req_twice", time.time(), acme.pk, "tiny", "acme-chat", "guaranteed", "", False, 5, 8, 0,
                   "rejected", "queue_timeout", 1000.0, None, 1001.0)
