@@ -191,11 +191,15 @@ CACHES = {
 # connecting or of its request's first byte (idle and slowloris connections are closed), its body within
 # SERVER_BODY_TIMEOUT_S of its headers, and a response that the client does not read for SERVER_WRITE_TIMEOUT_S
 # closes the connection (apps/gateway/http_guard.py); an idle keep-alive connection is closed after
-# SERVER_KEEPALIVE_TIMEOUT_S.
+# SERVER_KEEPALIVE_TIMEOUT_S. That one is longer than the idle timeouts of what stands in front (75 s, nginx's
+# default, over a cloud load balancer's 60 s and httpx's and the OpenAI SDK's 5 s): the side that closes an idle
+# connection should be the client's, or a request sent on it as the server closes it is lost (uvicorn's own 5 s
+# raced httpx's 5 s: a ReadError in a test; wrk counted 74 socket errors in 60 s at 8 requests/s on 32
+# connections, 0 with 60 s; bench/RESULTS.md).
 SERVER_HEADER_TIMEOUT_S = env_float("SERVER_HEADER_TIMEOUT_S", 10.0, above=0)
 SERVER_BODY_TIMEOUT_S = env_float("SERVER_BODY_TIMEOUT_S", 30.0, above=0)
 SERVER_WRITE_TIMEOUT_S = env_float("SERVER_WRITE_TIMEOUT_S", 30.0, above=0)
-SERVER_KEEPALIVE_TIMEOUT_S = env_int("SERVER_KEEPALIVE_TIMEOUT_S", 5, at_least=1)
+SERVER_KEEPALIVE_TIMEOUT_S = env_int("SERVER_KEEPALIVE_TIMEOUT_S", 75, at_least=1)
 
 # --- periodic ticks (workers.ticks) ---------------------------------------------------------------------
 

@@ -166,3 +166,26 @@ def test_a_client_that_never_reads_its_response_is_cut_off(address: tuple[str, i
     assert ended
     whole = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").stat().st_size
     assert received < whole  # the response was cut short (the client got what the buffers held)
+
+
+def test_by_default_a_connection_idle_longer_than_a_clients_own_expiry_stays_open(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Without SERVER_KEEPALIVE_TIMEOUT_S, a kept-alive connection outlives httpx's and the OpenAI SDK's 5 s idle
+    expiry (and a load balancer's 60 s): the client closes idle connections, so none is closed by the server under
+    a request the client is sending on it."""
+    workdir: Path = tmp_path_factory.mktemp("keep-alive")
+    env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / 'site.sqlite3'}", "LOG_LEVEL": "WARNING",
+           "REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory", "DASHBOARD_LOCAL_SAMPLER": "0", "TOKENPOOLS_TICKS": "off"}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    env.pop("SERVER_KEEPALIVE_TIMEOUT_S", None)
+    manage(env, "migrate", "--noinput")
+    with serving(PreparedSite(env, {}, workdir)) as (url, _process):
+        host, port = url.removeprefix("http://").split(":")
+        sock = _connect((host, int(port)))
+        sock.sendall(REQUEST)
+        assert _response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)  # past the 5 s a client library keeps an idle connection for
+        assert not _closed(sock)
+        sock.sendall(REQUEST)  # the same connection serves the next request
+        assert _response(sock).startswith(b"HTTP/1.1 200")
+        sock.close()

@@ -98,10 +98,10 @@ async def load(target: ClusterSite, *, requests: int, clients_per_pool: int, sto
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     stop = stop or asyncio.Event()
     budget = [requests]
-    # Idle connections are dropped before the server drops them (`serve` closes them after 5 s,
-    # SERVER_KEEPALIVE_TIMEOUT_S; httpx's default is also 5 s). With both at 5 s, a request sent on a connection
-    # idle just under 5 s can meet the server closing it: a ReadError with no answer (the likely cause of the 1
-    # ReadError in 5,000 requests of one full `make test` run, 2026-11-27; not reproduced on cue).
+    # Idle connections are dropped before the server drops them (`serve` closes them after
+    # SERVER_KEEPALIVE_TIMEOUT_S, 75 s by default; it was 5 s, as httpx's default expiry: a request sent on a
+    # connection idle just under 5 s could meet the server closing it, a ReadError with no answer, the likely cause
+    # of the 1 ReadError in 5,000 requests of one full `make test` run, 2026-11-27).
     limits = httpx.Limits(max_connections=clients_per_pool * len(target.pools) * 2, keepalive_expiry=4.0)
     async with httpx.AsyncClient(timeout=30, limits=limits) as client:
         await asyncio.gather(*(_client(target, pool, client, stop, budget)
