@@ -94,21 +94,15 @@ def aimd_config(
         num_instances=2,
         max_num_seqs=128,
         routing="least-loaded",
-        tenants=[
+        tenants=[  # the same offered load for both: only their weights and queues differ (below)
             TenantSpec(
-                "tenant-a",
+                name,
                 rate=30.0,
                 stop=horizon_s,
                 input=LengthSpec("lognormal", mean=1024, sigma=0.5, low=16, high=8192),
                 output=LengthSpec("lognormal", mean=512, sigma=0.5, low=16, high=4096),
-            ),  # fmt: skip
-            TenantSpec(
-                "tenant-b",
-                rate=30.0,
-                stop=horizon_s,
-                input=LengthSpec("lognormal", mean=1024, sigma=0.5, low=16, high=8192),
-                output=LengthSpec("lognormal", mean=512, sigma=0.5, low=16, high=4096),
-            ),  # fmt: skip
+            )
+            for name in ("tenant-a", "tenant-b")
         ],
         horizon_s=horizon_s,
         seed=seed,

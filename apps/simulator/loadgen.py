@@ -44,7 +44,6 @@ class Writer(Protocol):
     def flush(self) -> Any: ...
 
 
-
 @dataclass(frozen=True)
 class Arrival:
     at: float  # seconds since the run (or the current cycle) started

@@ -5,6 +5,7 @@ for us."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -24,18 +25,26 @@ IDLE = 200
 REQUEST = b"GET /accounts/login/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
-@pytest.fixture(scope="module")
-def address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    workdir: Path = tmp_path_factory.mktemp("http-guard")
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / 'site.sqlite3'}", "LOG_LEVEL": "WARNING",
-           "REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory", "SERVER_HEADER_TIMEOUT_S": str(TIMEOUT_S),
-           "SERVER_BODY_TIMEOUT_S": str(TIMEOUT_S), "SERVER_WRITE_TIMEOUT_S": str(TIMEOUT_S),
-           "SERVER_KEEPALIVE_TIMEOUT_S": "1", "DASHBOARD_LOCAL_SAMPLER": "0", "TOKENPOOLS_TICKS": "off"}
-    env.pop("DJANGO_SETTINGS_MODULE", None)
+@contextlib.contextmanager
+def _served(workdir: Path, **timeouts: str) -> Iterator[tuple[str, int]]:
+    """A `serve` process of a fresh site with these SERVER_*_TIMEOUT_S settings (the others at their defaults)."""
+    env = {name: value for name, value in os.environ.items()
+           if not (name.startswith("SERVER_") and name.endswith("_TIMEOUT_S")) and name != "DJANGO_SETTINGS_MODULE"}
+    env.update({"DATABASE_URL": f"sqlite:///{workdir / 'site.sqlite3'}", "LOG_LEVEL": "WARNING", "REDIS_URL": "",
+                "GATEWAY_STATE_BACKEND": "memory", "DASHBOARD_LOCAL_SAMPLER": "0", "TOKENPOOLS_TICKS": "off",
+                **timeouts})
     manage(env, "migrate", "--noinput")
     with serving(PreparedSite(env, {}, workdir)) as (url, _process):
         host, port = url.removeprefix("http://").split(":")
         yield host, int(port)
+
+
+@pytest.fixture(scope="module")
+def address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    with _served(tmp_path_factory.mktemp("http-guard"), SERVER_HEADER_TIMEOUT_S=str(TIMEOUT_S),
+                 SERVER_BODY_TIMEOUT_S=str(TIMEOUT_S), SERVER_WRITE_TIMEOUT_S=str(TIMEOUT_S),
+                 SERVER_KEEPALIVE_TIMEOUT_S="1") as served:
+        yield served
 
 
 def _connect(address: tuple[str, int]) -> socket.socket:
@@ -173,15 +182,8 @@ def test_by_default_a_connection_idle_longer_than_a_clients_own_expiry_stays_ope
     """Without SERVER_KEEPALIVE_TIMEOUT_S, a kept-alive connection outlives httpx's and the OpenAI SDK's 5 s idle
     expiry (and a load balancer's 60 s): the client closes idle connections, so none is closed by the server under
     a request the client is sending on it."""
-    workdir: Path = tmp_path_factory.mktemp("keep-alive")
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{workdir / 'site.sqlite3'}", "LOG_LEVEL": "WARNING",
-           "REDIS_URL": "", "GATEWAY_STATE_BACKEND": "memory", "DASHBOARD_LOCAL_SAMPLER": "0", "TOKENPOOLS_TICKS": "off"}
-    env.pop("DJANGO_SETTINGS_MODULE", None)
-    env.pop("SERVER_KEEPALIVE_TIMEOUT_S", None)
-    manage(env, "migrate", "--noinput")
-    with serving(PreparedSite(env, {}, workdir)) as (url, _process):
-        host, port = url.removeprefix("http://").split(":")
-        sock = _connect((host, int(port)))
+    with _served(tmp_path_factory.mktemp("keep-alive")) as address:
+        sock = _connect(address)
         sock.sendall(REQUEST)
         assert _response(sock).startswith(b"HTTP/1.1 200")
         time.sleep(6.0)  # past the 5 s a client library keeps an idle connection for
